@@ -1,0 +1,121 @@
+"""Engine configuration: every limit is a named, validated field with the same name on the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+BATCHING_FORMS = ("continuous", "dynamic", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs",)
+PREEMPTION_MODES = ("recompute",)
+GiB = 1 << 30
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All knobs of the generative engine. Invalid values raise `ValueError` naming the field.
+
+    The CLI exposes each field as `--field-name` with the same default, so a figure measured with
+    `batchinfer bench` maps one-to-one onto a Python `LLM(model, field_name=...)` call.
+    """
+
+    model: str = field(default="default", metadata=_help(
+        "'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file"))
+    dtype: str = field(default="auto", metadata=_help(
+        "weights and activations: auto (bf16 where fast, else fp32), float32, bfloat16, float16"))
+    device: str = field(default="auto", metadata=_help("auto (cuda if present), cpu or cuda"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "longest prompt + output in tokens; default: the model's, capped by the KV cache"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
+    kv_cache_memory: int = field(default=2 * GiB, metadata=_help(
+        "bytes of KV cache on CPU (accepts 512M, 2G)"))
+    gpu_memory_utilization: float = field(default=0.85, metadata=_help(
+        "fraction of GPU memory for weights + KV cache (CUDA only)"))
+    kv_cache_dtype: str = field(default="auto", metadata=_help(
+        "KV cache element type: auto (= dtype), float32, bfloat16, float16"))
+    max_num_seqs: int = field(default=64, metadata=_help("most sequences in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help(
+        "token budget of one step: prefill chunks + decode tokens"))
+    batching: str = field(default="continuous", metadata=_help(
+        "continuous (iteration-level), dynamic (size + delay window) or static (fixed batches)"))
+    max_batch_size: int = field(default=16, metadata=_help(
+        "requests per batch for the dynamic and static forms"))
+    max_batch_delay_ms: float = field(default=10.0, metadata=_help(
+        "dynamic form: dispatch once the oldest waiting request has waited this long"))
+    kv_admission_watermark: float = field(default=0.95, metadata=_help(
+        "stop admitting new requests while KV cache usage would exceed this fraction"))
+    scheduling_policy: str = field(default="fcfs", metadata=_help("order of waiting requests"))
+    preemption_mode: str = field(default="recompute", metadata=_help(
+        "what happens to a preempted request's KV blocks"))
+    seed: int = field(default=0, metadata=_help("seed of unseeded random sampling"))
+    num_threads: int | None = field(default=None, metadata=_help(
+        "CPU threads for torch; default: all cores"))
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("batching", self.batching, BATCHING_FORMS)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        _positive_int("block_size", self.block_size)
+        _positive_int("kv_cache_memory", self.kv_cache_memory)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_batch_size", self.max_batch_size)
+        _positive_int("seed", self.seed, low=0)
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+        _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        _fraction("kv_admission_watermark", self.kv_admission_watermark)
+        if not isinstance(self.max_batch_delay_ms, int | float) or self.max_batch_delay_ms < 0:
+            raise ValueError(f"max_batch_delay_ms must be >= 0, got {self.max_batch_delay_ms!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown names with a `ValueError`."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+        if isinstance(kwargs.get("kv_cache_memory"), str):
+            kwargs["kv_cache_memory"] = parse_bytes("kv_cache_memory", kwargs["kv_cache_memory"])
+        return cls(**kwargs)
+
+
+def parse_bytes(name: str, text: str) -> int:
+    """Parse '2G', '512M', '1.5GiB' or a plain integer into bytes; `ValueError` names `name`."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = s[-1:] if s[-1:] in units else ""
+    try:
+        value = float(s[: len(s) - len(unit)]) * units[unit]
+    except ValueError:
+        raise ValueError(f"{name} must be a size like 2G or 512M, got {text!r}") from None
+    return int(value)
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive_int(name: str, value: object, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _fraction(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")

@@ -1,0 +1,86 @@
+"""The two dataclasses that cross the core <-> runner boundary.
+
+`SchedulerOutput` goes down to the runner; `ModelRunnerOutput` comes back up to
+`Scheduler.update_from_output()`. The runner never sees a live `Request`; the scheduler never
+sees a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchinfer.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: a prefill chunk or a single decode token.
+
+    Invariant: `token_ids` are the sequence's tokens at positions
+    `[num_computed_tokens, num_computed_tokens + len(token_ids))`, and `block_table` holds enough
+    blocks for all of them. `all_token_ids` (prompt + output so far) is what penalties look at.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    # True when this chunk ends at the sequence's last known token, so a new token is sampled.
+    sample: bool
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    # Prompt + output tokens so far; only filled when `sample` and penalties need it.
+    all_token_ids: list[int] | None = None
+    # Index of the token about to be sampled (== number of output tokens so far): with `seed`,
+    # the runner derives this step's random stream from (seed, sample_index), so a preempted and
+    # recomputed request, or one batched with others, draws the same numbers.
+    sample_index: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner needs for one forward step, in batch order."""
+
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    # Requests that left since the previous step (finished, aborted, preempted): the runner drops
+    # any per-request state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top-N alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    # [(token_id, logprob)] sorted by logprob, best first; length = requested `logprobs`.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step produced, aligned with `SchedulerOutput.sequences`.
+
+    `sampled_token_ids[i]` is the new token of sequence i, or None when that sequence only
+    computed a prefill chunk that does not end the prompt.
+    """
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None] | None = None
