@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 
 from batchinfer.core.sampling_params import SamplingParams
 
@@ -27,7 +27,7 @@ class RequestStatus(IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """OpenAI's `finish_reason` values."""
 
     STOP = "stop"
