@@ -1,0 +1,66 @@
+"""Flags generated from config dataclasses, so each CLI flag is the field name with dashes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from batchinfer.core.config import EngineConfig, parse_bytes
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; `float` -> float."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0] if args else str
+    return annotation
+
+
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser | Any,
+    cls: type,
+    exclude: tuple[str, ...] = (),
+    prefix: str = "",
+) -> None:
+    """Add `--field-name` for each field of `cls`; defaults stay None so only given flags
+    override the dataclass default (read back with `collect_flags`)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        base = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "")
+        if default is not None:
+            help_text = f"{help_text} (default: {default})"
+        if base is bool:
+            parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+        elif f.name == "kv_cache_memory":
+            parser.add_argument(flag, dest=prefix + f.name, default=None, help=help_text,
+                                type=lambda s: parse_bytes("kv_cache_memory", s))
+        elif base in (int, float, str):
+            parser.add_argument(flag, dest=prefix + f.name, type=base, default=None, help=help_text)
+
+
+def collect_flags(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The fields of `cls` the user actually gave on the command line."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, prefix + f.name, None)
+        if value is not None:
+            out[f.name] = value
+    return out
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine")
+    add_dataclass_flags(group, EngineConfig, exclude=exclude)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(**collect_flags(args, EngineConfig))

@@ -1,0 +1,111 @@
+"""`LLM`: offline generation over many prompts with one copy of the weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from batchinfer.core.config import EngineConfig
+from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.engine.inputs import Chat, Prompt, is_chat, is_token_ids, tokenize_prompt
+from batchinfer.engine.llm_engine import LLMEngine
+from batchinfer.engine.outputs import RequestOutput
+
+
+class LLM:
+    """`LLM(model, **engine_knobs)`; `generate()` returns results in input order.
+
+    `model` is "default" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf
+    file; every `EngineConfig` field is accepted as a keyword (`dtype="float32"`,
+    `max_num_seqs=64`, `batching="static"`, ...).
+    """
+
+    def __init__(self, model: str = "default", **engine_knobs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_knobs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list: strings, token-id lists or chat message lists."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        engine = self.engine
+        # Tokenize everything first so a bad prompt raises before anything is queued.
+        tokenized = [_tokenize(engine, p, i) for i, p in enumerate(prompt_list)]
+        request_ids = [
+            engine.add_tokenized(text, ids, params)
+            for (text, ids), params in zip(tokenized, params_list, strict=True)
+        ]
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Chat | Sequence[Chat],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the model's chat template)."""
+        chats = [messages] if is_chat(messages) else list(messages)  # type: ignore[list-item]
+        return self.generate(chats, sampling_params, use_tqdm)  # type: ignore[arg-type]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        engine.scheduler.close_input()  # the static form may run its last, partial batch
+        bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
+        num_tokens = 0
+        try:
+            while engine.has_unfinished():
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        results[output.request_id] = output
+                        num_tokens += output.num_generated_tokens
+                        bar.update(1)
+                        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix(out_tok_s=f"{num_tokens / elapsed:.1f}")
+        finally:
+            engine.scheduler.input_closed = False
+            bar.close()
+        return [results[rid] for rid in request_ids]
+
+
+def _tokenize(engine: LLMEngine, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+    try:
+        return tokenize_prompt(engine.tokenizer, prompt, engine.spec.vocab_size)
+    except ValueError as exc:
+        raise ValueError(f"prompts[{index}]: {exc}") from None
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, Sequence) and not isinstance(prompts, str) and len(prompts) == 0:
+        return []
+    if isinstance(prompts, str) or is_token_ids(prompts) or is_chat(prompts):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params_list = list(params)
+    if len(params_list) != n:
+        raise ValueError(
+            f"sampling_params has {len(params_list)} entries for {n} prompts; give one or {n}"
+        )
+    return params_list
