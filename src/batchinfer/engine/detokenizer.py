@@ -57,6 +57,17 @@ class IncrementalDetokenizer:
                 return self.stop_string
         return None
 
+    def flush(self) -> None:
+        """At the end, emit what was held back waiting for more bytes (as U+FFFD), so the final
+        text equals decoding all output tokens at once."""
+        if self.stop_string is not None:
+            return
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text):
+            self.full_text += new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+
     def _find_stop(self, search_from: int) -> bool:
         best: tuple[int, str] | None = None
         for s in self.stop:

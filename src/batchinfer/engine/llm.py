@@ -41,10 +41,14 @@ class LLM:
         engine = self.engine
         # Tokenize everything first so a bad prompt raises before anything is queued.
         tokenized = [_tokenize(engine, p, i) for i, p in enumerate(prompt_list)]
-        request_ids = [
-            engine.add_tokenized(text, ids, params)
-            for (text, ids), params in zip(tokenized, params_list, strict=True)
-        ]
+        request_ids: list[str] = []
+        for i, ((text, ids), params) in enumerate(zip(tokenized, params_list, strict=True)):
+            try:
+                request_ids.append(engine.add_tokenized(text, ids, params))
+            except ValueError as exc:
+                for request_id in request_ids:  # all or nothing: leave no stray work queued
+                    engine.abort_request(request_id)
+                raise ValueError(f"prompts[{i}]: {exc}") from None
         return self._run(request_ids, use_tqdm)
 
     def chat(

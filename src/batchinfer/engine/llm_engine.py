@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from batchinfer.core.config import EngineConfig
+from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.core.scheduler import RequestUpdate, Scheduler
@@ -22,7 +23,7 @@ from batchinfer.engine.inputs import Prompt, tokenize_prompt
 from batchinfer.engine.output_processor import OutputProcessor
 from batchinfer.engine.outputs import RequestOutput
 from batchinfer.models.loader import load_model, resolve_dtype
-from batchinfer.runner.kv_cache import kv_cache_budget_bytes, num_kv_blocks
+from batchinfer.runner.kv_cache import kv_cache_budget_bytes, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 
 
@@ -47,11 +48,15 @@ class LLMEngine:
         self.loaded = load_model(config.model, self.dtype, self.device)
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
-        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(
-            torch, config.kv_cache_dtype
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        budget = kv_cache_budget_bytes(
+            self.device, config.kv_cache_memory, config.gpu_memory_utilization
         )
-        budget = kv_cache_budget_bytes(config, self.device, self.loaded.model)
         num_blocks = num_kv_blocks(self.spec, config.block_size, kv_dtype, budget)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold no KV block of {config.block_size} tokens"
+            )
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         self.runner = ModelRunner(
             self.loaded.model,
@@ -135,6 +140,28 @@ class LLMEngine:
             raise
         return request_id
 
+    def make_requests(
+        self,
+        child_ids: list[str],
+        token_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+        priority: int = 0,
+    ) -> list[Request]:
+        """The scheduler-side `Request`s of one request's `n` sequences (not queued yet): what
+        `add_tokenized` queues, for a caller that queues them from another thread."""
+        return [
+            Request(
+                child_id,
+                list(token_ids),
+                self._child(params, i),
+                arrival_s=arrival_s,
+                eos_token_ids=self.loaded.eos_token_ids,
+                priority=priority,
+            )
+            for i, child_id in enumerate(child_ids)
+        ]
+
     @staticmethod
     def _child(params: SamplingParams, index: int) -> SamplingParams:
         # Sequences of one request draw different samples; with a seed, still reproducibly.
@@ -165,3 +192,48 @@ class LLMEngine:
         for child_id, stop_string in stops:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED, stop_string)
         return outputs
+
+    # ----------------------------------------------------------------- the step, split
+    def step_core(self) -> tuple[SchedulerOutput, list[RequestUpdate], dict[str, str]]:
+        """The engine-thread half of `step()`: schedule, execute, update; no detokenization.
+
+        Returns the step's scheduler output, the token updates (for `process_updates` or an
+        `OutputProcessor` elsewhere) and the requests that failed inside the runner
+        (child id -> message); those are already finished as aborted, and nothing else is.
+        """
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return scheduler_output, [], {}
+        runner_output, failed = self._execute_isolated(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return scheduler_output, updates, failed
+
+    def _execute_isolated(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        """Run the step; if the runner raises, rerun each sequence alone once so that only the
+        ones that fail again are failed (and finished), and the rest of the batch goes on."""
+        try:
+            return self.runner.execute(scheduler_output), {}
+        except Exception:  # one request's failure must not stop the engine
+            pass
+        sampled: list[int | None] = []
+        logprobs: list[TokenLogprobs | None] = []
+        failed: dict[str, str] = {}
+        left_ids = scheduler_output.finished_request_ids
+        for seq in scheduler_output.sequences:
+            # KV writes are idempotent (same tokens, same slots), so a rerun is exact.
+            single = SchedulerOutput(sequences=[seq], finished_request_ids=left_ids)
+            left_ids = []
+            try:
+                out = self.runner.execute(single)
+            except Exception as exc:
+                failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
+                sampled.append(None)
+                logprobs.append(None)
+                continue
+            sampled.append(out.sampled_token_ids[0])
+            logprobs.append(out.logprobs[0] if out.logprobs else None)
+        for request_id in failed:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs), failed

@@ -113,6 +113,7 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
                 stops.append((update.request.request_id, stop_string))
             elif update.finished:
+                seq.detokenizer.flush()
                 reason = update.request.status.finish_reason
                 seq.finish_reason = reason.value if reason is not None else "stop"
                 seq.stop_reason = update.request.stop_reason

@@ -1,0 +1,13 @@
+"""Generative models and their loaders: the Llama-family module, HF folders, GGUF files."""
+
+from batchinfer.models.llama import AttentionFn, LlamaForCausalLM, ModelSpec
+from batchinfer.models.loader import LoadedModel, load_model, resolve_dtype
+
+__all__ = [
+    "AttentionFn",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelSpec",
+    "load_model",
+    "resolve_dtype",
+]

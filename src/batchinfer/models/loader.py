@@ -1,0 +1,213 @@
+"""`load_model`: a `--model` string -> model in eval mode + spec + tokenizer + stop tokens.
+
+Every source ends up as a Hugging Face folder (a GGUF is converted into one, once, in the
+cache), and the folder path is the only loading path: `config.json` -> `ModelSpec`, safetensors
+(single file or sharded) -> fused parameters built on the meta device and assigned in place, so
+no random initialisation and no second copy of the weights is ever made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from batchinfer.models.gguf import convert_gguf
+from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
+from batchinfer.models.registry import SourceKind, resolve_model_source
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready to run: `model` is in eval mode with `requires_grad=False` everywhere."""
+
+    model: LlamaForCausalLM
+    spec: ModelSpec
+    tokenizer: PreTrainedTokenizerFast
+    eos_token_ids: frozenset[int]
+    path: Path  # the Hugging Face folder actually loaded (the cache folder for a GGUF)
+    name: str  # the model id to show
+
+
+def default_cache_dir() -> Path:
+    """`$BATCHINFER_CACHE`, else `~/.cache/batchinfer`: where converted GGUFs are kept."""
+    env = os.environ.get("BATCHINFER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchinfer"
+
+
+def load_model(
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `"default"`, a Hugging Face folder or a `.gguf` file; `ValueError` on bad input.
+
+    A GGUF is first converted into `cache_dir` (default `default_cache_dir()`); later loads
+    reuse that folder. Weights are cast to `dtype` and placed on `device`.
+    """
+    source = resolve_model_source(model)
+    folder = source.path
+    if source.kind is SourceKind.GGUF:
+        folder = convert_gguf(source.path, cache_dir or default_cache_dir())
+    config = _read_json(folder / "config.json", required=True)
+    spec = ModelSpec.from_hf_config(config, source=os.fspath(folder / "config.json"))
+    net = load_weights(folder, spec, dtype, torch.device(device))
+    tokenizer = load_tokenizer(folder)
+    generation_config = _read_json(folder / "generation_config.json", required=False)
+    eos_token_ids = _eos_token_ids(config, generation_config, tokenizer)
+    return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, source.name)
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`"auto" | "float32" | "bfloat16" | "float16"` -> a torch dtype for `device`.
+
+    auto: bfloat16 on CUDA when supported, and on CPUs with native bf16 matmuls (AVX512-BF16
+    or AMX); float32 everywhere else.
+    """
+    device = torch.device(device)
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"dtype {name!r}: expected 'auto', {', '.join(map(repr, _DTYPES))}")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when torch runs AVX512 kernels and the CPU has bf16 dot products or AMX tiles."""
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return False
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def load_weights(
+    folder: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """Build the model on the meta device and assign the (fused, cast, moved) checkpoint."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec)
+    tensor_files = _tensor_files(folder)
+    state: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(hf_name: str) -> torch.Tensor:
+            file = tensor_files.get(hf_name)
+            if file is None:
+                raise ValueError(f"{folder}: tensor {hf_name!r} is missing from the checkpoint")
+            if file not in handles:
+                handles[file] = stack.enter_context(_open_safetensors(file))
+            try:
+                return handles[file].get_tensor(hf_name)
+            except SafetensorError as exc:
+                raise ValueError(f"{file}: cannot read tensor {hf_name!r} ({exc})") from exc
+
+        for name, param in model.named_parameters():
+            parts = [read(hf_name).to(dtype) for hf_name in checkpoint_names(name)]
+            tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if tensor.shape != param.shape:
+                raise ValueError(
+                    f"{folder}: tensor(s) {', '.join(checkpoint_names(name))} have shape "
+                    f"{tuple(tensor.shape)}, config.json implies {tuple(param.shape)}"
+                )
+            state[name] = tensor.to(device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)  # the RoPE tables, built on CPU
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it (one file or sharded)."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path, required=True).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: field 'weight_map' is missing")
+        files = {name: folder / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise ValueError(f"{index_path}: shard {file.name} does not exist")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(
+            f"{folder}: no model.safetensors or model.safetensors.index.json "
+            "(only safetensors weights are supported)"
+        )
+    with _open_safetensors(single) as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def _open_safetensors(file: Path) -> Any:
+    # safe_open validates the header against the file size, so truncation is caught here.
+    try:
+        return safe_open(os.fspath(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{file}: not a valid safetensors file ({exc})") from exc
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """The folder's fast tokenizer (and chat template); `ValueError` naming the folder."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(folder))
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ...
+        raise ValueError(f"{folder}: cannot load the tokenizer ({exc})") from exc
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(f"{folder}: tokenizer is not a fast (tokenizer.json) tokenizer")
+    return tokenizer
+
+
+def _eos_token_ids(
+    config: dict[str, Any], generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerFast
+) -> frozenset[int]:
+    """Union of the eos ids in generation_config.json, config.json (int or list) and tokenizer."""
+    ids: set[int] = set()
+    for value in (generation_config.get("eos_token_id"), config.get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ValueError(f"{path.parent}: {path.name} is missing")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot parse ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data

@@ -1,0 +1,268 @@
+"""Tiny random Hugging Face models (and a matching tokenizer) saved into a folder, for tests.
+
+`make_tiny_llama(tmp_path)` writes config.json, model.safetensors, generation_config.json,
+tokenizer.json and tokenizer_config.json (with a ChatML chat template and eos token), so that
+`transformers.AutoModelForCausalLM.from_pretrained(path)`, `AutoTokenizer.from_pretrained(path)`
+and `batchinfer.models.load_model(str(path), ...)` all load it. `make_tiny_gguf` writes the same kind
+of model as a llama.cpp-style GGUF file (Q/K rows permuted, one tensor kind quantized). Weights are drawn with a wide
+spread (std 0.2, norm weights in [0.5, 1.5], random biases) so attention is sharp and a wrong
+mapping, permutation or RoPE changes the logits well beyond float32 noise.
+
+`dense_attention` and `DenseCache` are reference `AttentionFn`s (plain SDPA, no paging) to run
+`LlamaForCausalLM.forward` without the runner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from batchinfer.models import AttentionFn
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "the quick brown fox jumps over the lazy dog, then the dog sleeps",
+    "Hello world! How are you today? I am fine, thank you.",
+    "batching many requests at once makes the hardware do one large job",
+    "attention is all you need; rotary position embeddings rotate pairs",
+] * 4
+
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+
+def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few sentences: every byte encodes, specials are 0..2."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random `arch` ("llama" | "qwen2" | "mistral") model; returns its folder.
+
+    Defaults: 2 layers, hidden 64, 4 heads, 2 KV heads (head_dim 16), intermediate 128,
+    vocab 300, max_position_embeddings 512. `overrides` go into the transformers config
+    (e.g. `tie_word_embeddings=True`, `rope_scaling={...}`, `attention_bias=True`).
+    """
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch {arch!r}: expected one of {', '.join(_CONFIGS)}")
+    folder = tmp_path / f"tiny-{arch}"
+    folder.mkdir(parents=True, exist_ok=True)
+    params: dict[str, Any] = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "tie_word_embeddings": False,
+    }
+    if arch == "mistral":
+        params["sliding_window"] = None
+    params.update(overrides)
+    config = _CONFIGS[arch](**params)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model.save_pretrained(folder)
+    # A list eos in generation_config.json, as Llama 3 ships: <|endoftext|> also stops.
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_TOKEN_ID, "eos_token_id": [EOS_TOKEN_ID, 0]})
+    )
+    make_tiny_tokenizer(config.vocab_size).save_pretrained(folder, save_jinja_files=False)
+    return folder
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5)
+        else:
+            param.normal_(0.0, 0.2)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The Q/K row permutation of llama.cpp's `convert_hf_to_gguf.py` (LlamaModel.permute)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def make_tiny_gguf(
+    tmp_path: Path, seed: int = 0, rope_freqs: np.ndarray | None = None, **overrides: Any
+) -> tuple[Path, Path]:
+    """A tiny Llama written as a GGUF the way llama.cpp's converter does; (gguf, HF folder).
+
+    Tensors are float32 except `blk.*.ffn_down`, stored as Q8_0 (so those differ from the HF
+    folder by the Q8_0 rounding). The tokenizer is stored as llama.cpp's "gpt2" BPE metadata,
+    with the ChatML chat template. `rope_freqs` adds llama.cpp's Llama-3 `rope_freqs.weight`.
+    """
+    folder = make_tiny_llama(tmp_path, "llama", seed=seed, **overrides)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+    path = tmp_path / "tiny-llama.gguf"
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_name("tiny llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    _add_tokenizer(writer, tokenizer_json)
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        _add_tensor(writer, name, tensor.numpy(), config)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, folder
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: dict[str, Any]) -> None:
+    vocab = tokenizer_json["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    special = set(SPECIAL_TOKENS)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
+    writer.add_token_merges([" ".join(pair) for pair in tokenizer_json["model"]["merges"]])
+    writer.add_bos_token_id(BOS_TOKEN_ID)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add_tensor(
+    writer: gguf.GGUFWriter, hf_name: str, weight: np.ndarray, config: dict[str, Any]
+) -> None:
+    if hf_name == "model.embed_tokens.weight":
+        name = "token_embd.weight"
+    elif hf_name == "model.norm.weight":
+        name = "output_norm.weight"
+    elif hf_name == "lm_head.weight":
+        name = "output.weight"
+    else:
+        _, _, layer, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    if ".attn_q." in name:
+        weight = llama_cpp_permute(weight, config["num_attention_heads"])
+    elif ".attn_k." in name:
+        weight = llama_cpp_permute(weight, config["num_key_value_heads"])
+    if ".ffn_down." in name:
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(weight, dtype=np.float32))
+
+
+# Reference attention callables for LlamaForCausalLM.forward (no paging, plain SDPA).
+
+
+def dense_attention(boundaries: list[tuple[int, int]]) -> AttentionFn:
+    """Causal attention within each [start, end) of the flat batch; no attention across them."""
+
+    def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for start, end in boundaries:
+            qs = q[start:end].transpose(0, 1)  # [heads, len, d]
+            ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+            vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(
+                0, 1
+            )
+        return out
+
+    return attention
+
+
+class DenseCache:
+    """One sequence's K/V kept per layer, so it can be fed in chunks (prefill, then decode)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if layer_idx in self.keys:
+            k = torch.cat([self.keys[layer_idx], k])
+            v = torch.cat([self.values[layer_idx], v])
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        num_new, num_ctx, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+        query_positions = torch.arange(num_ctx - num_new, num_ctx)[:, None]
+        mask = torch.arange(num_ctx)[None, :] <= query_positions  # [new, ctx]
+        ks = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), ks, vs, attn_mask=mask)
+        return out.transpose(0, 1)
