@@ -77,6 +77,10 @@ class LLMEngine:
 
     def _max_model_len(self, kv_capacity_tokens: int) -> int:
         model_max = self.spec.max_position_embeddings
+        if self.spec.sliding_window is not None:
+            # Attention over a sliding window is not implemented; within it, full attention is
+            # exact, so cap the length there rather than compute something else.
+            model_max = min(model_max, self.spec.sliding_window)
         wanted = self.config.max_model_len
         if wanted is None:
             return min(model_max, kv_capacity_tokens)

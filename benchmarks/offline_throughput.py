@@ -1,0 +1,177 @@
+"""Offline throughput, side by side in one process: batchinfer (continuous, static) against
+Hugging Face `generate` (static batches with left padding, and one prompt at a time).
+
+    .venv/bin/python benchmarks/offline_throughput.py                 # the full comparison
+    .venv/bin/python benchmarks/offline_throughput.py --systems continuous --dtypes bfloat16
+
+Every system gets the same prompts (token ids) and output lengths (`ignore_eos`), so "useful
+output tokens" are the same for all; padding and over-generation count as waste. Prints a table
+and writes JSON (`--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from batchinfer import LLM, SamplingParams
+
+
+@dataclass
+class Result:
+    system: str
+    dtype: str
+    num_prompts: int
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*input_len))],
+         rng.randint(*output_len))
+        for _ in range(n)
+    ]
+
+
+def run_batchinfer(form: str, dtype: str, workload, args) -> Result:
+    llm = LLM("default", dtype=dtype, batching=form, max_batch_size=args.static_batch_size,
+              kv_cache_memory=args.kv_cache_memory)
+    prompts = [p for p, _ in workload]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in workload]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(m for _, m in workload)
+    return Result(form, dtype, len(workload), seconds, sum(map(len, prompts)), produced)
+
+
+def load_hf(dtype: str):
+    from batchinfer.models.loader import load_model
+    from transformers import AutoModelForCausalLM
+
+    # The converted Hugging Face folder of the embedded GGUF: the very same weights.
+    path = load_model("default", torch.float32, torch.device("cpu")).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    return model
+
+
+def hf_generate(model, batch: list[tuple[list[int], int]], pad_id: int) -> None:
+    longest = max(len(p) for p, _ in batch)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, _) in enumerate(batch):  # left padding
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        mask[row, longest - len(prompt):] = 1
+    new = max(m for _, m in batch)
+    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                   do_sample=False, pad_token_id=pad_id)
+
+
+def run_hf(name: str, dtype: str, workload, batch_size: int, model) -> Result:
+    hf_generate(model, workload[:1], 0)  # warm-up
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(workload), batch_size):
+            hf_generate(model, workload[i:i + batch_size], 0)
+    seconds = time.perf_counter() - start
+    return Result(name, dtype, len(workload), seconds, sum(len(p) for p, _ in workload),
+                  sum(m for _, m in workload))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", default="32:512")
+    parser.add_argument("--output-len", default="32:256")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--systems", default="continuous,static,hf-static,hf-single")
+    parser.add_argument("--static-batch-size", type=int, default=16)
+    parser.add_argument("--hf-single-prompts", type=int, default=8,
+                        help="HF one-at-a-time runs on the first N prompts only (it is slow)")
+    parser.add_argument("--kv-cache-memory", default="2G")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per system; median kept")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="results/offline_throughput.json")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    workload = make_workload(args.num_prompts, parse_range(args.input_len),
+                             parse_range(args.output_len), 49152, args.seed)
+    results: list[Result] = []
+    systems = args.systems.split(",")
+    console = Console()
+    for dtype in args.dtypes.split(","):
+        model = load_hf(dtype) if any(s.startswith("hf") for s in systems) else None
+        for system in systems:
+            runs = []
+            for _ in range(args.repeats):
+                if system in ("continuous", "static", "dynamic"):
+                    runs.append(run_batchinfer(system, dtype, workload, args))
+                elif system == "hf-static":
+                    runs.append(run_hf(system, dtype, workload, args.static_batch_size, model))
+                elif system == "hf-single":
+                    runs.append(run_hf(system, dtype, workload[:args.hf_single_prompts], 1, model))
+                else:
+                    raise SystemExit(f"unknown system {system!r}")
+            best = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+            results.append(best)
+            console.print(f"{system:12s} {dtype:9s} {best.output_tok_s:8.1f} out tok/s "
+                          f"{best.total_tok_s:8.1f} total tok/s ({best.seconds:.1f} s)")
+        del model
+
+    table = Table(title=f"offline throughput: {args.num_prompts} prompts, input {args.input_len},"
+                        f" output {args.output_len} (torch threads {torch.get_num_threads()})")
+    for col in ("system", "dtype", "prompts", "seconds", "useful out tok/s", "total tok/s",
+                "vs hf-static"):
+        table.add_column(col, justify="right")
+    hf_static = {r.dtype: r.output_tok_s for r in results if r.system == "hf-static"}
+    for r in results:
+        ratio = f"{r.output_tok_s / hf_static[r.dtype]:.2f}x" if r.dtype in hf_static else "-"
+        table.add_row(r.system, r.dtype, str(r.num_prompts), f"{r.seconds:.1f}",
+                      f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}", ratio)
+    console.print(table)
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    console.print(f"peak RSS of this process: {peak_rss_gib:.2f} GiB")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "config": vars(args),
+        "results": [asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
+                    for r in results],
+        "median_output_tok_s": statistics.median(r.output_tok_s for r in results),
+        "peak_rss_gib": peak_rss_gib,
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Batched token sampling from the float32 logits of the rows that sample this step.
+
+Order of operations (vLLM's): logprobs are taken from the RAW logits (log_softmax before any
+penalty or temperature, as vLLM returns by default); then repetition penalty (HF: over prompt +
+output tokens, divide positive logits, multiply negative ones), frequency / presence penalties
+(OpenAI: over output tokens only), `min_tokens` (EOS and stop tokens masked while the output is
+shorter); greedy rows take the argmax of that; random rows then divide by temperature and apply
+min_p, top_k, top_p, and draw with the exponential race `argmax(probs / Exponential(1))`.
+
+Every step is one tensor op over all rows that need it; Python loops only build index lists and
+draw the noise of seeded rows. A seeded row's noise comes from a generator seeded with
+`(seed, sample_index)`, so its tokens do not depend on its batch neighbours, its row, or a
+preemption; unseeded rows share the sampler's generator (seeded once from the engine's seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from batchinfer.core.outputs import ScheduledSequence, TokenLogprobs
+from batchinfer.core.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Sampled tokens aligned with the input rows; `logprobs` None when no row asked for any."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+
+
+class Sampler:
+    """Samples one token per row; holds the generator of unseeded rows and the EOS ids."""
+
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: Sequence[int]) -> None:
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        # Re-seeded for every seeded row; one object avoids building a generator per row.
+        self._row_generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, sequences: list[ScheduledSequence]) -> SamplerOutput:
+        """Sample a token for each row of `logits` `[n, vocab]` (float32, modified in place).
+
+        Row i belongs to `sequences[i]`; penalties read its `all_token_ids` and
+        `num_prompt_tokens`, `min_tokens` its `sample_index` (= output tokens so far).
+        """
+        params = [s.sampling_params for s in sequences]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = (
+            torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        )
+        apply_penalties(logits, sequences)
+        self._apply_min_tokens(logits, sequences)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+            token_ids[rows] = self._race(probs, [sequences[i] for i in random_rows])
+        token_list = token_ids.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, None)
+        logprobs: list[TokenLogprobs | None] = [None] * len(sequences)
+        requested = [params[i].logprobs or 0 for i in logprob_rows]
+        chosen = token_ids[torch.tensor(logprob_rows, device=logits.device)]
+        for i, entry in zip(logprob_rows, _gather_logprobs(raw_logprobs, chosen, requested),
+                            strict=True):
+            logprobs[i] = entry
+        return SamplerOutput(token_list, logprobs)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
+        """Mask EOS (unless `ignore_eos`) and `stop_token_ids` of rows short of `min_tokens`."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vocab_size = logits.shape[1]
+        for i, seq in enumerate(sequences):
+            p = seq.sampling_params
+            if seq.sample_index >= p.min_tokens:
+                continue
+            stops = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
+            stops = [t for t in stops if t < vocab_size]
+            rows.extend([i] * len(stops))
+            cols.extend(stops)
+        if rows:
+            logits[torch.tensor(rows, device=logits.device),
+                   torch.tensor(cols, device=logits.device)] = float("-inf")
+
+    def _race(self, probs: torch.Tensor, sequences: list[ScheduledSequence]) -> torch.Tensor:
+        """`argmax(probs / E)`, E ~ Exponential(1) per element: a draw from `probs` per row."""
+        noise = torch.empty_like(probs)
+        unseeded = [r for r, s in enumerate(sequences) if s.sampling_params.seed is None]
+        if len(unseeded) == len(sequences):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            noise[torch.tensor(unseeded, device=probs.device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self.generator)
+        for r, seq in enumerate(sequences):
+            seed = seq.sampling_params.seed
+            if seed is not None:
+                self._row_generator.manual_seed(row_seed(seed, seq.sample_index))
+                noise[r].exponential_(generator=self._row_generator)
+        # exponential_ can return exactly 0; 0/0 = NaN would win the argmax for a masked token.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
+    """Repetition (prompt + output), then frequency and presence (output) penalties, in place."""
+    rows = [i for i, s in enumerate(sequences) if s.sampling_params.needs_penalties]
+    if not rows:
+        return
+    device = logits.device
+    output_rows: list[int] = []
+    output_ids: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_ids: list[int] = []
+    for r, i in enumerate(rows):
+        seq = sequences[i]
+        if seq.all_token_ids is None:
+            raise RuntimeError(f"request {seq.request_id}: penalties need all_token_ids")
+        prompt, output = (seq.all_token_ids[: seq.num_prompt_tokens],
+                          seq.all_token_ids[seq.num_prompt_tokens :])
+        prompt_rows.extend([r] * len(prompt))
+        prompt_ids.extend(prompt)
+        output_rows.extend([r] * len(output))
+        output_ids.extend(output)
+    params = [sequences[i].sampling_params for i in rows]
+    row_index = torch.tensor(rows, device=device)
+    sub = logits[row_index]  # [num_rows, vocab]
+    counts = torch.zeros_like(sub)
+    counts.index_put_(
+        (torch.tensor(output_rows, dtype=torch.long, device=device),
+         torch.tensor(output_ids, dtype=torch.long, device=device)),
+        torch.ones(len(output_ids), device=device),
+        accumulate=True,
+    )
+    seen = counts > 0
+    seen[torch.tensor(prompt_rows, dtype=torch.long, device=device),
+         torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub = sub - frequency * counts - presence * (counts > 0)
+    logits[row_index] = sub
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities after temperature, min_p, top_k and top_p; `logits` is a private copy."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    logits.div_(torch.tensor([p.temperature for p in params], device=device)[:, None])
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params]
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, top_ks, [p.top_p for p in params])
+    elif any(top_ks):
+        logits = _top_k(logits, top_ks)
+    return logits.softmax(dim=-1)
+
+
+def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Keep the `k` largest logits of each row (0 = keep all); ties with the k-th stay."""
+    device = logits.device
+    k = torch.tensor(top_ks, device=device)
+    values = logits.topk(max(top_ks), dim=-1).values  # [n, max_k], descending
+    kth = values.gather(1, (k.clamp(min=1) - 1)[:, None])
+    kth.masked_fill_((k == 0)[:, None], float("-inf"))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Top-k then nucleus filtering in sorted order; the most likely token always stays."""
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if any(top_ks):
+        k = torch.tensor([t or logits.shape[1] for t in top_ks], device=device)
+        rank = torch.arange(logits.shape[1], device=device)
+        sorted_logits.masked_fill_(rank >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the mass of the tokens before it already reaches top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A row without top_p gets 2.0: float rounding can push its cumulative mass past 1.0.
+    top_p = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], device=device)[:, None]
+    sorted_logits.masked_fill_(mass_before >= top_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, requested: list[int]
+) -> list[TokenLogprobs]:
+    """Sampled token's logprob and 1-based rank, plus the top-`requested[i]` of each row."""
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])  # [n, 1]
+    ranks = ((logprobs > chosen_logprobs).sum(dim=-1) + 1).tolist()
+    max_n = max(requested)
+    if max_n:
+        top_values, top_ids = logprobs.topk(max_n, dim=-1)
+        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+    chosen_list, chosen_lp_list = chosen.tolist(), chosen_logprobs[:, 0].tolist()
+    entries = []
+    for r, n in enumerate(requested):
+        top = list(zip(top_ids_list[r][:n], top_values_list[r][:n], strict=True)) if n else []
+        entries.append(TokenLogprobs(chosen_list[r], chosen_lp_list[r], ranks[r], top))
+    return entries
+
+
+def row_seed(seed: int, sample_index: int) -> int:
+    """Seed of one seeded draw: splitmix64 of (seed, sample_index), a well-mixed 64-bit int."""
+    z = (seed * 0x9E3779B97F4A7C15 + sample_index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
