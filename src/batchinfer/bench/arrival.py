@@ -1,0 +1,47 @@
+"""Arrival times of benchmark requests: Poisson or gamma-distributed intervals, as in vLLM.
+
+`burstiness` is the shape of the gamma distribution of the intervals between requests; its
+scale is chosen so that the mean interval is `1 / request_rate` whatever the shape. Shape 1 is
+a Poisson process (exponential intervals); below 1 the arrivals are burstier, above 1 more
+regular. The coefficient of variation of the intervals is `1 / sqrt(burstiness)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def arrival_times(
+    num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
+) -> list[float]:
+    """Send times in seconds from the start, one per request; the first is 0.
+
+    `request_rate` is requests per second (`math.inf`: every request at time 0).
+    """
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if not request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"--burstiness must be a positive number, got {burstiness}")
+    if num_requests == 0:
+        return []
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / (request_rate * burstiness)
+    intervals = rng.gamma(shape=burstiness, scale=scale, size=num_requests - 1)
+    return [0.0, *np.cumsum(intervals).tolist()]
+
+
+def parse_rate(text: str) -> float:
+    """A request rate from the CLI: a positive number or `inf`."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"--request-rate {text!r}: expected a number or 'inf'") from None
+    if not rate > 0:
+        raise ValueError(f"--request-rate {text!r}: must be > 0 (or inf)")
+    return rate

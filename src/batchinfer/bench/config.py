@@ -1,0 +1,85 @@
+"""The configuration of one benchmark run: every knob a named, validated field (= CLI flag)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from batchinfer.bench.workload import parse_length_spec
+
+ENDPOINTS = ("completions", "chat")
+DATASETS = ("random", "shared-prefix", "jsonl")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One `batchinfer bench serve` run. Invalid values raise `ValueError` naming the flag."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first model of GET /v1/models
+    endpoint: str = "completions"
+    dataset: str = "random"
+    dataset_path: str | None = None
+    num_prompts: int = 200
+    input_len: str = "256"
+    output_len: str = "128"
+    shared_prefix_len: int = 256
+    num_prefixes: int = 1
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    seed: int = 0
+    goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    ignore_eos: bool = True
+    calibrate_tokens: bool = False
+    request_timeout_s: float = 600.0
+    scrape_interval_s: float = 0.5
+    result_dir: str | None = None
+    result_name: str | None = None  # file stem; default bench-<endpoint>-rate<r>-<time>
+    plots: bool = True
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url {self.base_url!r}: expected http://HOST:PORT")
+        _choice("--endpoint", self.endpoint, ENDPOINTS)
+        _choice("--dataset", self.dataset, DATASETS)
+        if self.dataset == "jsonl" and not self.dataset_path:
+            raise ValueError("--dataset jsonl needs --dataset-path")
+        _at_least("--num-prompts", self.num_prompts, 1)
+        _at_least("--num-warmups", self.num_warmups, 0)
+        _at_least("--seed", self.seed, 0)
+        _at_least("--shared-prefix-len", self.shared_prefix_len, 1)
+        _at_least("--num-prefixes", self.num_prefixes, 1)
+        if self.max_concurrency is not None:
+            _at_least("--max-concurrency", self.max_concurrency, 1)
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
+            raise ValueError(f"--burstiness must be a positive number, got {self.burstiness}")
+        if not self.request_timeout_s > 0:
+            raise ValueError("--request-timeout-s must be > 0")
+        if not self.scrape_interval_s > 0:
+            raise ValueError("--scrape-interval-s must be > 0")
+        parse_length_spec(self.input_len, "--input-len")
+        parse_length_spec(self.output_len, "--output-len")
+
+    def to_json(self) -> dict[str, Any]:
+        """All fields, JSON-safe (an infinite rate is written as the string "inf")."""
+        data = asdict(self)
+        if math.isinf(self.request_rate):
+            data["request_rate"] = "inf"
+        return data
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} {value!r}: expected one of {', '.join(choices)}")
+
+
+def _at_least(flag: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")

@@ -1,0 +1,88 @@
+"""Metrics on hand-made request results: vLLM's definitions, exact values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchinfer.bench.client import RequestResult
+from batchinfer.bench.metrics import (
+    compute_metrics,
+    concurrency_at,
+    latency_stats,
+    max_concurrency,
+    output_token_timeline,
+    parse_goodput,
+)
+
+
+def make_result(start: float, ttft: float, itl: float, num_tokens: int,
+                prompt_tokens: int | None = 10, usage_tokens: int | None = None) -> RequestResult:
+    times = [start + ttft + i * itl for i in range(num_tokens)]
+    return RequestResult(start_s=start, end_s=times[-1] + 0.001, chunk_times_s=times,
+                         num_prompt_tokens=prompt_tokens, num_prompt_tokens_est=7,
+                         num_usage_output_tokens=usage_tokens if usage_tokens else num_tokens)
+
+
+def test_per_request_definitions() -> None:
+    results = [make_result(0.0, 0.1, 0.02, 11), make_result(0.5, 0.3, 0.04, 6),
+               RequestResult(start_s=0.2, end_s=0.3, error="HTTP 500")]
+    m = compute_metrics(results, duration_s=2.0, start_s=0.0,
+                        goodput_slos_ms={"ttft": 200, "tpot": 50})
+    assert (m.completed, m.failed, m.failed_by_reason) == (2, 1, {"HTTP 500": 1})
+    assert m.ttft.mean_ms == pytest.approx(200.0)
+    assert m.ttft.median_ms == pytest.approx(200.0)
+    assert m.ttft.p99_ms == pytest.approx(np.percentile([100, 300], 99))
+    assert m.ttft.std_ms == pytest.approx(100.0)
+    # TPOT = (E2EL - TTFT) / (tokens - 1): exactly the injected ITL.
+    assert m.tpot.p50_ms == pytest.approx(30.0)
+    assert m.e2el.mean_ms == pytest.approx(((0.1 + 0.2) + (0.3 + 0.2)) / 2 * 1000)
+    itls = [20.0] * 10 + [40.0] * 5
+    assert m.itl.mean_ms == pytest.approx(np.mean(itls))
+    assert m.itl.p90_ms == pytest.approx(np.percentile(itls, 90))
+    assert m.total_output_tokens == 17 and m.total_input_tokens == 20
+    assert m.request_throughput == pytest.approx(1.0)
+    assert m.output_throughput == pytest.approx(8.5)
+    assert m.total_token_throughput == pytest.approx(18.5)
+    assert m.goodput == pytest.approx(0.5)  # only the first meets TTFT <= 200 ms
+    assert m.max_concurrent_requests == 2
+
+
+def test_usage_beats_chunk_count_and_fallbacks() -> None:
+    # 5 chunks but the server says 10 tokens (2 a chunk): TPOT uses 10.
+    r = make_result(0.0, 0.1, 0.02, 5, prompt_tokens=None, usage_tokens=10)
+    m = compute_metrics([r], 1.0, 0.0)
+    assert m.tpot.mean_ms == pytest.approx(80 / 9)
+    assert m.total_output_tokens == 10
+    assert m.total_input_tokens == 7  # no usage.prompt_tokens: the workload's estimate
+    assert m.goodput is None
+    r.num_usage_output_tokens = None
+    assert compute_metrics([r], 1.0, 0.0).total_output_tokens == 5
+
+
+def test_one_token_requests_have_no_tpot_but_count_for_goodput() -> None:
+    m = compute_metrics([make_result(0.0, 0.05, 0.0, 1)], 1.0, 0.0, {"tpot": 1})
+    assert m.tpot is None
+    assert m.goodput == pytest.approx(1.0)
+
+
+def test_all_failed_gives_empty_stats() -> None:
+    m = compute_metrics([RequestResult(0.0, end_s=0.1, error="ConnectError")], 1.0, 0.0)
+    assert m.completed == 0 and m.ttft is None and m.output_throughput == 0
+    assert latency_stats([]) is None
+
+
+def test_timelines() -> None:
+    results = [make_result(0.0, 0.1, 0.5, 4), make_result(1.0, 0.2, 0.1, 3, usage_tokens=6)]
+    # tokens at 0.1 0.6 1.1 1.6 | 1.2 1.3 1.4 (weight 2 each)
+    assert output_token_timeline(results, 0.0) == [2.0, 8.0]
+    assert max_concurrency(results) == 2
+    assert concurrency_at(results, [0.05, 1.1, 3.0]) == [1, 2, 0]
+
+
+def test_parse_goodput() -> None:
+    assert parse_goodput(["ttft:500", "TPOT:100", "e2el:2000"]) == {
+        "ttft": 500.0, "tpot": 100.0, "e2el": 2000.0}
+    for bad in (["ttft"], ["speed:5"], ["ttft:x"], ["ttft:-1"], ["ttft:inf"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput(bad)
