@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +133,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
         elif mode == "lasttoken":
             outputs.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
         else:
-            raise ValueError(f"pooling mode must be one of {', '.join(POOLING_MODES)}; got {mode!r}")
+            raise ValueError(f"pooling mode must be one of {', '.join(POOLING_MODES)}; "
+                             f"got {mode!r}")
     return torch.cat(outputs, dim=-1)
 
 
@@ -205,8 +205,20 @@ class Encoder:
         self.dim = int(hf_config.hidden_size) * len(self.pooling.modes)
         self.vocab_size = int(hf_config.vocab_size)
         self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
-        self.num_special_tokens = self.tokenizer.num_special_tokens_to_add(pair=False)
+        self._prefix_ids, self._suffix_ids = self._special_token_affixes()
+        self.num_special_tokens = len(self._prefix_ids) + len(self._suffix_ids)
         self._uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
+
+    def _special_token_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text ([CLS] / [SEP] for BERT)."""
+        probe = "hello"
+        plain = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = self.tokenizer(probe, add_special_tokens=True)["input_ids"]
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        raise ValueError(f"model folder {self.path}: cannot locate the text inside the "
+                         "tokenizer's special-token template")
 
     @staticmethod
     def _max_length(requested: int | None, configured: object, limit: int) -> int:
@@ -240,7 +252,7 @@ class Encoder:
             if bad is not None:
                 raise ValueError(f"input[{i}]: token id {bad} is outside [0, {self.vocab_size})")
             body = list(ids[:room]) if truncate else list(ids)
-            out.append(self.tokenizer.build_inputs_with_special_tokens(body))
+            out.append(self._prefix_ids + body + self._suffix_ids)
         self._check_lengths(out)
         return out
 
@@ -285,7 +297,3 @@ class Encoder:
 def _read_json(path: Path) -> dict[str, object]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
-
-def model_folder_size_bytes(path: Path) -> int:
-    """Bytes of weights in a folder (for logs)."""
-    return sum(os.path.getsize(p) for p in path.glob("*.safetensors"))

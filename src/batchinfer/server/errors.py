@@ -1,0 +1,133 @@
+"""The server's error convention: every error is an OpenAI-style JSON body, never a 422.
+
+`{"error": {"message", "type", "param", "code"}}` with the status code of its cause:
+bad input 400 (pydantic validation, malformed JSON, `ValueError`; `param` names the field when
+known), unknown route 404, queue full 429 + `Retry-After`, queue timeout 504, anything else 500
+with the request id so a log line can be found. Handlers raise `APIError` for anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchinfer.batching.errors import BatcherClosedError, ItemTimeoutError, OverloadedError
+
+logger = logging.getLogger(__name__)
+
+# Error `type` per status, in the names vLLM's OpenAI server uses.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "TimeoutError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status; raise it from a handler and the app renders it."""
+
+    def __init__(self, status_code: int, message: str, type: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or ERROR_TYPES.get(status_code, "APIError")
+        self.param = param
+        self.code = code
+        self.headers = dict(headers) if headers else None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def error_response(status_code: int, message: str, type: str | None = None,
+                   param: str | None = None, code: str | int | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error response."""
+    return api_error_response(APIError(status_code, message, type, param, code, headers))
+
+
+def api_error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def to_api_error(exc: Exception, request_id: str | None = None) -> APIError:
+    """Map any exception to its `APIError` (the rules of the module docstring)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, OverloadedError):
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return APIError(429, str(exc), code="overloaded", headers={"Retry-After": retry_after})
+    if isinstance(exc, ItemTimeoutError):
+        return APIError(504, str(exc), code="queue_timeout")
+    if isinstance(exc, BatcherClosedError):
+        return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value")
+    where = f" (request id {request_id})" if request_id else ""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}{where}",
+                    code="internal_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """A pydantic validation failure -> 400 naming the first failing field."""
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        reason = detail.get("ctx", {}).get("error", detail.get("msg", ""))
+        return APIError(400, f"malformed JSON body: {reason}", code="invalid_json")
+    first = errors[0] if errors else {}
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    cause = first.get("ctx", {}).get("error")
+    param = getattr(cause, "param", None) or (str(loc[0]) if loc else None)
+    where = ".".join(str(part) for part in loc)
+    message = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid request")
+    if where and not message.startswith(where):
+        message = f"{where}: {message}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers on `app` (the generative and the embedding server share them)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return api_error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return api_error_response(APIError(exc.status_code, str(exc.detail),
+                                           headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception) -> JSONResponse:
+        error = to_api_error(exc, _request_id(request))
+        if error.status_code >= 500 and not isinstance(exc, APIError):
+            logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return api_error_response(error)
+
+    # Starlette looks handlers up by class (MRO) before falling back to the 500 middleware,
+    # so these return their own status without the generic handler's 500 log line.
+    for cls in (APIError, ValueError, OverloadedError, ItemTimeoutError, BatcherClosedError):
+        app.add_exception_handler(cls, _any)  # type: ignore[arg-type]
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
