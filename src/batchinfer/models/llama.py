@@ -222,8 +222,8 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, h + 2 * kv, self.head_dim)  # [n, h+2kv, d]
-        q = apply_rope(qkv[:, :h], cos, sin)  # [n, h, d], contiguous
-        k = apply_rope(qkv[:, h : h + kv], cos, sin)  # [n, kv, d], contiguous
+        qk = apply_rope(qkv[:, : h + kv], cos, sin)  # [n, h+kv, d]: q and k rotated at once
+        q, k = qk[:, :h], qk[:, h:]  # [n, h, d], [n, kv, d]: strided views of qk
         v = qkv[:, h + kv :]  # [n, kv, d], a strided view of qkv
         out = attention(self.layer_idx, q, k, v)  # [n, h, d]
         return self.o_proj(out.reshape(num_tokens, h * self.head_dim))  # [n, hidden]
@@ -237,7 +237,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [n, intermediate] each
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU: [n, hidden]
+        # SwiGLU in place in the projection's output (no new [n, intermediate] tensors);
+        # down_proj reads the strided gate half directly.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # [n, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -251,8 +253,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """Updates the residual stream `x` `[n, hidden]` IN PLACE and returns it."""
+        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attention))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -284,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
-        x = self.embed_tokens(input_ids)  # [n, hidden]
+        x = self.embed_tokens(input_ids)  # [n, hidden], a new tensor: layers update it in place
         # One table lookup per step, shared by every layer: [n, 1, head_dim // 2]
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)

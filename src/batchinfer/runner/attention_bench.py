@@ -14,8 +14,9 @@ import torch
 
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.sampling_params import SamplingParams
-from batchinfer.runner.attention import PagedAttention
+from batchinfer.runner.attention import PagedAttention, max_decode_group_tokens
 from batchinfer.runner.input_batch import prepare_inputs
+from batchinfer.runner.kv_cache import allocate_kv_cache
 
 
 class _Spec:
@@ -63,9 +64,12 @@ def time_attention(
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     spread = max(1, context // 5)
     num_blocks = num_decodes * (-(-(context + spread) // block_size)) + 1
-    cache = torch.randn(1, 2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    cpu = torch.device("cpu")
+    cache = allocate_kv_cache(_Spec(num_kv_heads, head_dim), num_blocks, block_size, dtype, cpu)
+    cache.normal_()
     sequences = _decode_batch(num_decodes, context, spread, block_size, num_blocks)
-    inputs = prepare_inputs(sequences, block_size, torch.device("cpu"), group_decodes)
+    max_group_tokens = max_decode_group_tokens(num_kv_heads, head_dim, dtype, cpu)
+    inputs = prepare_inputs(sequences, block_size, cpu, group_decodes, max_group_tokens)
     q = torch.randn(num_decodes, num_heads, head_dim).to(dtype)
     k = torch.randn(num_decodes, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(num_decodes, num_kv_heads, head_dim).to(dtype)

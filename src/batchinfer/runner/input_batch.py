@@ -84,11 +84,14 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     group_decodes: bool = True,
+    max_decode_group_tokens: int | None = None,
 ) -> StepInputs:
     """Build the flat batch: token ids, positions, slots, decode groups, prefill chunks.
 
     `group_decodes=False` sends every sequence down the per-chunk path (one attention call per
     sequence); it exists to measure and cross-check the grouped decode path.
+    `max_decode_group_tokens` caps a decode group's padded size (members x longest context);
+    None: no cap.
     """
     if not sequences:
         raise ValueError("prepare_inputs needs at least one scheduled sequence")
@@ -124,7 +127,9 @@ def prepare_inputs(
             sampled_seq_indices.append(i)
 
     num_decodes = len(decode_order)
-    groups = _decode_groups([context_lens[i] for i in decode_order], block_size)
+    groups = _decode_groups(
+        [context_lens[i] for i in decode_order], block_size, max_decode_group_tokens
+    )
     num_group_blocks = [-(-context_lens[decode_order[end - 1]] // block_size) for _, end in groups]
     # Every int64 of the step goes through one tensor and one copy to the device.
     flat: list[int] = input_ids + positions + slots + logits_rows
@@ -188,25 +193,30 @@ def _extend_slots(
         pos += run
 
 
-def _decode_groups(sorted_context_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+def _decode_groups(
+    sorted_context_lens: list[int], block_size: int, max_group_tokens: int | None = None
+) -> list[tuple[int, int]]:
     """Split decodes (sorted by context length) into `[start, end)` groups of similar length.
 
     A group grows while padding all of its members to the newest (longest) one stays within
     `MAX_DECODE_PADDING_RATIO` of the blocks they really use (or within
     `MAX_DECODE_PADDING_BLOCKS`), so one very long context does not make every short one gather
-    (and attend over) its length.
+    (and attend over) its length; and while its padded size (members x longest context) stays
+    within `max_group_tokens` (the attention backend's choice: see
+    `attention.max_decode_group_tokens`).
     """
+    max_group_blocks = None if max_group_tokens is None else max_group_tokens // block_size
     groups: list[tuple[int, int]] = []
     start, used_blocks = 0, 0
     for i, context_len in enumerate(sorted_context_lens):
         num_blocks = -(-context_len // block_size)
         padded = (i - start + 1) * num_blocks
         used = used_blocks + num_blocks
-        if (
-            i > start
-            and padded > MAX_DECODE_PADDING_RATIO * used
-            and padded - used > MAX_DECODE_PADDING_BLOCKS
-        ):
+        too_padded = (
+            padded > MAX_DECODE_PADDING_RATIO * used and padded - used > MAX_DECODE_PADDING_BLOCKS
+        )
+        too_big = max_group_blocks is not None and padded > max_group_blocks
+        if i > start and (too_padded or too_big):
             groups.append((start, i))
             start, used_blocks = i, 0
         used_blocks += num_blocks

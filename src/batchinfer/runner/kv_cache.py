@@ -1,10 +1,16 @@
 """The paged KV cache tensor and how many blocks of it fit in a byte budget.
 
-One tensor holds every layer's K and V:
-`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so `cache[layer, 0]` is that
-layer's K blocks `[num_blocks, block_size, num_kv_heads, head_dim]` (a contiguous view) and
-`cache[layer, 1]` its V blocks. Slot `s` of a layer is token `s % block_size` of block
-`s // block_size`; the block manager in `core/` hands out block ids, the runner only indexes.
+One tensor holds every layer's K and V. Callers see it as
+`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`: `cache[layer, 0]` is that
+layer's K blocks `[num_blocks, block_size, num_kv_heads, head_dim]` and `cache[layer, 1]` its V
+blocks. Slot `s` of a layer is token `s % block_size` of block `s // block_size`; the block
+manager in `core/` hands out block ids, the runner only indexes.
+
+In memory the order is different, `[num_layers, num_blocks, 2, num_kv_heads, block_size,
+head_dim]` (the tensor returned is a permuted view of that storage): a block's K and V sit
+together, and each head's tokens are one contiguous `[block_size, head_dim]` row. Attention
+reads a context with one `index_select` of such rows (see `layer_rows`) straight into the
+`[kv_heads, context_len, head_dim]` layout its matmuls want, with no transposing copy.
 """
 
 from __future__ import annotations
@@ -81,12 +87,29 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Zeroed cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    """Zeroed cache, seen as `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
     Zeroed rather than empty so that padded (masked) reads never see NaN bit patterns: a masked
     score is dropped by the softmax, but NaN * 0 in the value product would still be NaN.
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    storage = torch.zeros(
+        (spec.num_layers, num_blocks, 2, spec.num_kv_heads, block_size, spec.head_dim),
+        dtype=dtype,
+        device=device,
+    )
+    return storage.permute(0, 2, 1, 4, 3, 5)
+
+
+def layer_rows(kv_cache: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """One layer's cache as rows `[num_blocks * 2 * num_kv_heads, block_size, head_dim]`.
+
+    Row `(block * 2 + kind) * num_kv_heads + head` holds the K (kind 0) or V (kind 1) of `head`
+    for the block's tokens. `kv_cache` must come from `allocate_kv_cache` (RuntimeError else).
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache[layer_idx].shape
+    storage = kv_cache[layer_idx].permute(1, 0, 3, 2, 4)  # [num_blocks, 2, kv, bs, d]
+    if not storage.is_contiguous():
+        raise RuntimeError("kv_cache is not laid out by allocate_kv_cache")
+    return storage.view(num_blocks * 2 * num_kv_heads, block_size, head_dim)

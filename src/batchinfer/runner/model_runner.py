@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from batchinfer.runner.attention import PagedAttention
+from batchinfer.runner.attention import PagedAttention, max_decode_group_tokens
 from batchinfer.runner.input_batch import prepare_inputs
 from batchinfer.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from batchinfer.runner.sampler import Sampler
@@ -57,6 +57,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
+        self.max_decode_group_tokens = max_decode_group_tokens(
+            spec.num_kv_heads, spec.head_dim, kv_dtype, self.device
+        )
         self._workspace: torch.Tensor | None = None
 
     @property
@@ -89,7 +92,12 @@ class ModelRunner:
         Returns float32 logits `[num_sampled, vocab]` and, for each row, the index of its
         sequence in `scheduler_output.sequences`. Call under `torch.inference_mode()`.
         """
-        inputs = prepare_inputs(scheduler_output.sequences, self.block_size, self.device)
+        inputs = prepare_inputs(
+            scheduler_output.sequences,
+            self.block_size,
+            self.device,
+            max_decode_group_tokens=self.max_decode_group_tokens,
+        )
         attention = PagedAttention(self.kv_cache, inputs.attention, self._workspace)
         self._workspace = attention.workspace
         hidden = self.model(inputs.input_ids, inputs.positions, attention)

@@ -1,0 +1,216 @@
+"""Where the CPU time of a generative step goes: linear / attention / gather / other.
+
+    .venv/bin/python benchmarks/step_profile.py                  # the default workload, 1 thread
+    .venv/bin/python benchmarks/step_profile.py --ops            # plus top ops per step type
+    .venv/bin/python benchmarks/step_profile.py --num-prompts 16 --decode-steps 4   # quicker
+
+Builds the default model (SmolLM2-135M) in float32 and drives `LLMEngine.step()` over a fixed
+workload: `--num-prompts` random prompts of `--prompt-len` tokens (`ignore_eos`, long
+`max_tokens`), so the first steps are prefill-heavy (full token budget, decodes riding along);
+once every prompt is in, `--decode-steps` pure decode steps with all of them; then half of the
+requests are aborted and as many decode steps run with the other half. With the default 64
+prompts of 200-400 tokens that gives decodes of 64 and 32 sequences at 200-500-token contexts.
+
+Times are the CPU time of this thread (`time.thread_time`), with torch on `--threads` threads
+(default 1): on a shared machine, wall time mostly measures the neighbours, and with one
+thread the thread's CPU time is exactly the work done. Each step's time is split by wrapping,
+for the run only:
+- linear:    `torch.nn.functional.linear` (every projection and the LM head);
+- attention: `PagedAttention.__call__` minus the two below (scores, softmax, weighted sum);
+- gather:    KV cache copies: block gathers (`attention._gather_blocks`) and this step's K/V
+             writes (`_write_kv`). CPU float32 decodes read the cache in place, without a
+             gather, so their cache reads count as attention;
+- other:     the rest of the step (embedding, norms, RoPE, activations, residuals, sampling,
+             input preparation, scheduler).
+Each bucket is self time: a wrapped call nested in another is subtracted from its parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchinfer import SamplingParams
+from batchinfer.engine.llm_engine import LLMEngine
+from batchinfer.runner import attention as attention_module
+
+BUCKETS = ("linear", "attention", "gather", "other")
+# (owner, attribute, bucket): the callables timed, patched for the duration of the run.
+_TIMED: list[tuple[Any, str, str]] = [
+    (F, "linear", "linear"),
+    (attention_module.PagedAttention, "__call__", "attention"),
+    (attention_module, "_gather_blocks", "gather"),
+    (attention_module, "_write_kv", "gather"),
+]
+
+
+class SplitTimer:
+    """Self CPU time per bucket of the wrapped callables, reset per step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # [start, time spent in nested wrapped calls]
+
+    def wrap(self, fn: Callable[..., Any], bucket: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            frame = [time.thread_time(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                elapsed = time.thread_time() - frame[0]
+                self.seconds[bucket] += elapsed - frame[1]
+                if self._stack:
+                    self._stack[-1][1] += elapsed
+
+        return timed
+
+    @contextmanager
+    def patched(self) -> Iterator[None]:
+        originals = []
+        for owner, name, bucket in _TIMED:
+            original = getattr(owner, name, None)
+            if original is None:
+                raise RuntimeError(f"{owner.__name__}.{name} is gone; update _TIMED")
+            originals.append((owner, name, original))
+            setattr(owner, name, self.wrap(original, bucket))
+        try:
+            yield
+        finally:
+            for owner, name, original in originals:
+                setattr(owner, name, original)
+
+
+@dataclass
+class StepRecord:
+    kind: str
+    num_seqs: int
+    num_tokens: int
+    max_context: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def timed_step(
+    engine: LLMEngine, timer: SplitTimer, kind: str, op_tables: dict[str, str] | None
+) -> StepRecord:
+    """One `engine.step()`, recorded under `kind` with its time split.
+
+    With `op_tables`, the first step of each kind also runs under torch.profiler and its
+    top ops by self CPU time are kept there (that step's split includes profiler overhead).
+    """
+    if op_tables is not None and kind not in op_tables:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with profiler:
+            record = timed_step(engine, timer, kind, None)
+        op_tables[kind] = profiler.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48
+        )
+        return record
+    timer.seconds.clear()
+    start = time.thread_time()
+    scheduler_output = engine.scheduler.schedule()
+    if scheduler_output.is_empty:
+        raise RuntimeError("nothing scheduled; the workload is too small for the step counts")
+    runner_output = engine.runner.execute(scheduler_output)
+    updates = engine.scheduler.update_from_output(scheduler_output, runner_output)
+    engine.process_updates(updates)
+    total = time.thread_time() - start
+    split = {bucket: timer.seconds.get(bucket, 0.0) for bucket in BUCKETS[:-1]}
+    split["other"] = total - sum(split.values())
+    seqs = scheduler_output.sequences
+    return StepRecord(
+        kind,
+        len(seqs),
+        scheduler_output.num_scheduled_tokens,
+        max(s.num_computed_tokens + s.num_tokens for s in seqs),
+        split,
+    )
+
+
+def run_workload(
+    engine: LLMEngine,
+    args: argparse.Namespace,
+    timer: SplitTimer,
+    op_tables: dict[str, str] | None,
+) -> list[StepRecord]:
+    rng = random.Random(args.seed)
+    low, high = args.prompt_len
+    vocab = engine.spec.vocab_size
+    params = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
+    request_ids = [
+        engine.add_tokenized(None, [rng.randrange(100, vocab) for _ in range(rng.randint(low, high))],
+                             params)
+        for _ in range(args.num_prompts)
+    ]
+    records = []
+    # Prefill-heavy: until every prompt is in (decodes of the early ones ride along).
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        records.append(timed_step(engine, timer, "prefill-heavy", op_tables))
+    for half in (args.num_prompts, args.num_prompts // 2):
+        for request_id in request_ids[half:]:
+            engine.abort_request(request_id)
+        for _ in range(args.decode_steps):
+            records.append(timed_step(engine, timer, f"decode {half}", op_tables))
+    return records
+
+
+def report(records: list[StepRecord]) -> None:
+    kinds = list(dict.fromkeys(r.kind for r in records))
+    header = f"{'step type':15} {'steps':>5} {'tokens':>7} {'ctx max':>7} {'ms/step':>8}"
+    print(header + "".join(f" {b:>15}" for b in BUCKETS))
+    for kind in kinds:
+        group = [r for r in records if r.kind == kind]
+        # Median per bucket: robust to a step that caught a page-fault storm or a neighbour.
+        ms = {b: 1e3 * statistics.median(r.seconds[b] for r in group) for b in BUCKETS}
+        total = sum(ms.values())
+        cells = "".join(f" {ms[b]:8.1f} ({ms[b] / total:4.0%})" for b in BUCKETS)
+        tokens = statistics.median(r.num_tokens for r in group)
+        context = max(r.max_context for r in group)
+        print(f"{kind:15} {len(group):5} {tokens:7.0f} {context:7} {total:8.1f}{cells}")
+    print("(median CPU ms per step of each bucket; ms/step is their sum)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=lambda s: tuple(map(int, s.split(":"))),
+                        default=(200, 400), help="LOW:HIGH prompt tokens")
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ops", action="store_true",
+                        help="also print torch.profiler's top ops of one step of each type")
+    args = parser.parse_args()
+    engine = LLMEngine.from_kwargs(
+        model="default", dtype="float32", num_threads=args.threads,
+        max_num_seqs=max(64, args.num_prompts),
+    )
+    # Warm-up: first-call allocations and lazy initialisation stay out of the figures.
+    engine.add_tokenized(None, list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    timer = SplitTimer()
+    op_tables: dict[str, str] | None = {} if args.ops else None
+    with timer.patched():
+        records = run_workload(engine, args, timer, op_tables)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+          f"{engine.spec.num_layers} layers, block_size {engine.config.block_size}")
+    report(records)
+    for kind, table in (op_tables or {}).items():
+        print(f"\n{kind}: top ops of its first step (torch.profiler)\n{table}")
+
+if __name__ == "__main__":
+    main()

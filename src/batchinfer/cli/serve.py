@@ -1,0 +1,125 @@
+"""`batchinfer serve`: the OpenAI-compatible HTTP server (uvicorn) on the generative engine.
+
+Binds 127.0.0.1 unless `--host` says otherwise. The port listens at once and the model loads in
+the background (`/health` answers 503 until it is ready). SIGTERM stops admission, lets running
+requests finish (at most `--shutdown-timeout` seconds), then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+import uvicorn
+
+from batchinfer.cli.options import add_engine_flags, collect_flags
+from batchinfer.core.config import EngineConfig, parse_bytes
+
+API_KEY_ENV = "BATCHINFER_API_KEY"
+
+
+def _bytes(text: str) -> int:
+    return parse_bytes("max_request_bytes", text)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API",
+        description="Serve /v1/completions, /v1/chat/completions (streaming), /v1/models, "
+        "/tokenize, /detokenize, /health, /metrics and /version.",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1, this machine only)")
+    server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    server.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* "
+                        f"(default: ${API_KEY_ENV} if set)")
+    server.add_argument("--served-model-name", default=None,
+                        help="model id in the API (default: the model's name); 'default' is "
+                        "always accepted too")
+    server.add_argument("--max-num-queued-requests", type=int, default=1024,
+                        help="most requests waiting for the engine; beyond: HTTP 429 "
+                        "(default: 1024)")
+    server.add_argument("--max-request-bytes", type=_bytes, default=1 << 20,
+                        help="largest request body; beyond: HTTP 413 (accepts 512K, 1M; "
+                        "default: 1M)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for running requests (default: 30)")
+    server.add_argument("--embedding-model", default=None,
+                        help="also serve /v1/embeddings with this encoder (with --model none: "
+                        "embeddings only)")
+    server.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+    add_engine_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from batchinfer.server.app import ServerConfig  # fastapi, not torch
+
+    server_config = ServerConfig(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        embedding_model=args.embedding_model,
+    )
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
+    engine_kwargs = collect_flags(args, EngineConfig)
+    engine_config = None
+    if engine_kwargs.get("model") != "none":
+        engine_config = EngineConfig.from_kwargs(**engine_kwargs)
+    elif not args.embedding_model:
+        raise ValueError("--model none serves nothing; add --embedding-model NAME")
+
+    from batchinfer.server.app import build_app
+
+    app = build_app(engine_config, server_config)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
+    )
+    server = GracefulServer(config, on_exit_signal=app.state.server.begin_drain)
+    app.state.server.on_fatal = server.request_exit
+    server.run()
+    return 1 if app.state.server.load_error else 0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, but a signal drains and exits 0: uvicorn re-raises the signal after its
+    graceful shutdown, which would make the exit status 143 instead of 0."""
+
+    def __init__(self, config: Any, on_exit_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit_signal = on_exit_signal
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_exit_signal()
+        super().handle_exit(sig, frame)
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,334 @@
+"""The FastAPI app: OpenAI-compatible routes, `/health`, `/metrics`, and the request guards.
+
+`build_app(engine_config, server_config)` returns an app whose lifespan starts loading the model
+in a background thread, so the port answers at once: `/health` is 503 until the engine is ready
+(and again while shutting down). Every response carries `X-Request-Id` (the client's, or a new
+one). Guards, in order: `--api-key` on `/v1/*` (401), draining (503), body size (413).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from batchinfer import __version__
+from batchinfer.core.config import EngineConfig
+from batchinfer.engine.async_llm import AsyncLLM
+from batchinfer.server.errors import APIError, error_response, install_error_handlers
+from batchinfer.server.metrics import ServerMetrics
+from batchinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from batchinfer.server.serving import RETRY_AFTER_S, OpenAIServing
+
+logger = logging.getLogger(__name__)
+DEFAULT_MODEL_ALIAS = "default"
+UNGUARDED_PATHS = ("/health", "/metrics", "/version")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Server knobs (the engine's are `EngineConfig`); `ValueError` names a bad field."""
+
+    served_model_name: str | None = None  # default: the loaded model's name
+    api_key: str | None = None
+    max_num_queued_requests: int = 1024
+    max_request_bytes: int = 1 << 20
+    embedding_model: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_queued_requests", "max_request_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+
+
+class ServerState:
+    """What the routes share: the engine once loaded, the metrics, the lifecycle flags."""
+
+    def __init__(self, engine_config: EngineConfig | None, config: ServerConfig) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.llm: AsyncLLM | None = None
+        self.serving: OpenAIServing | None = None
+        self.model_names: set[str] = set()
+        self.load_error: str | None = None
+        self.embeddings = DeferredService("the embedding model")
+        self.ready = False
+        self.draining = False
+        self.on_fatal: Callable[[], None] | None = None
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests (503); running ones go on."""
+        self.draining = True
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Build the engine and the embedding service (in a background thread); hand them to
+        the loop."""
+        try:
+            llm = embedder = None
+            if self.engine_config is not None:
+                llm = AsyncLLM.from_config(
+                    self.engine_config, max_num_queued_requests=self.config.max_num_queued_requests
+                )
+            if self.config.embedding_model is not None:
+                from batchinfer.server.embeddings import make_embeddings_service
+
+                embedder = make_embeddings_service(self.config.embedding_model,
+                                                   registry=self.metrics.registry)
+        except Exception as exc:
+            logger.exception("loading the model failed")
+            loop.call_soon_threadsafe(self._failed, f"{type(exc).__name__}: {exc}")
+            return
+        loop.call_soon_threadsafe(self._ready, llm, embedder)
+
+    def _ready(self, llm: AsyncLLM | None, embedder: Any) -> None:
+        if embedder is not None:
+            self.embeddings.target = embedder
+        if llm is not None:
+            llm.stat_loggers.append(self.metrics)
+            llm.start()
+            self.llm = llm
+            name = self.config.served_model_name or llm.engine.loaded.name
+            self.serving = OpenAIServing(llm, name)
+            self.model_names = {name, DEFAULT_MODEL_ALIAS, llm.engine.config.model}
+            logger.info("model %s is ready (max_model_len %d)", name, llm.max_model_len)
+        self.ready = True
+
+    def _failed(self, message: str) -> None:
+        self.load_error = message
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    async def close(self) -> None:
+        self.draining = True
+        if self.llm is not None:
+            self.llm.shutdown()
+        if self.embeddings.target is not None:
+            await self.embeddings.target.close()
+
+    def health(self) -> tuple[int, str]:
+        if self.draining:
+            return 503, "shutting_down"
+        if self.load_error is not None:
+            return 503, "failed"
+        if not self.ready:
+            return 503, "loading"
+        if self.llm is not None and not self.llm.is_running:
+            return 503, "engine_stopped"
+        return 200, "ok"
+
+    def serving_for(self, model: str | None) -> OpenAIServing:
+        """The serving of `model` (None: the default); 503 while loading, 404 if unknown."""
+        if self.serving is None:
+            _, state = self.health()
+            if self.engine_config is None:
+                raise APIError(404, "no generative model is served here", param="model",
+                               code="model_not_found")
+            raise APIError(503, f"the model is not ready ({state})", code=state,
+                           headers={"retry-after": str(RETRY_AFTER_S)})
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"the model {model!r} does not exist; this server has "
+                           f"{self.serving.model_name!r}", param="model",
+                           code="model_not_found")
+        return self.serving
+
+
+def build_app(
+    engine_config: EngineConfig | None, config: ServerConfig | None = None
+) -> FastAPI:
+    """The server app; `engine_config=None` serves no generative model (embeddings only)."""
+    config = config or ServerConfig()
+    if engine_config is None and config.embedding_model is None:
+        raise ValueError("nothing to serve: give a model or an embedding_model")
+    state = ServerState(engine_config, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=state.load, args=(loop,), name="batchinfer-load",
+                         daemon=True).start()
+        yield
+        await state.close()
+
+    app = FastAPI(title="batchinfer", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    if config.embedding_model is not None:
+        from batchinfer.server.embeddings import make_embeddings_router
+
+        app.include_router(make_embeddings_router(state.embeddings))  # type: ignore[arg-type]
+    _add_routes(app, state)
+    app.add_middleware(RequestGuard, state=state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        status, text = state.health()
+        body: dict[str, Any] = {"status": text}
+        if state.load_error is not None:
+            body["error"] = state.load_error
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, media_type = state.metrics.render()
+        return Response(content, media_type=media_type)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = []
+        if state.serving is not None:
+            serving = state.serving
+            data.append({"id": serving.model_name, "object": "model", "created": 0,
+                         "owned_by": "batchinfer", "max_model_len": serving.llm.max_model_len})
+        embedder = state.embeddings.target
+        if embedder is not None:
+            data.append({"id": embedder.model_name, "object": "model", "created": 0,
+                         "owned_by": "batchinfer", "max_model_len": embedder.encoder.max_length})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await state.serving_for(body.model).completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await state.serving_for(body.model).chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return state.serving_for(body.model).tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return state.serving_for(body.model).detokenize(body)
+
+
+class DeferredService:
+    """Stands for a service that loads in the background: attribute access answers 503 until
+    `target` is set (the embeddings router holds this and never sees the difference)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.target: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self.target is None:
+            raise APIError(503, f"{self.what} is loading", code="loading",
+                           headers={"retry-after": str(RETRY_AFTER_S)})
+        return getattr(self.target, name)
+
+
+class RequestGuard:
+    """Pure ASGI middleware: `X-Request-Id` on every response, then the API key (401 on
+    `/v1/*`), draining (503) and the body size (413: `Content-Length`, or the bytes received,
+    so a chunked upload cannot get round it)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._expected_auth = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        send = _with_request_id(send, request_id)
+        path: str = scope["path"]
+        error = self._check(path, headers)
+        if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, error = await self._read_body(headers, receive)
+            receive = _replay(body, receive)
+        if error is not None:
+            await error(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _check(self, path: str, headers: Headers) -> Response | None:
+        if self._expected_auth is not None and path.startswith("/v1/"):
+            given = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected_auth):
+                return error_response(401, "missing or wrong API key: send "
+                                      "'Authorization: Bearer <key>'", code="invalid_api_key")
+        if self.state.draining and path not in UNGUARDED_PATHS:
+            return error_response(503, "the server is shutting down", code="shutting_down")
+        return None
+
+    async def _read_body(self, headers: Headers, receive: Receive) -> tuple[bytes, Response | None]:
+        limit = self.state.config.max_request_bytes
+        too_large = error_response(413, f"the request body exceeds {limit} bytes "
+                                   "(--max-request-bytes)", code="request_too_large")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            if length.isdigit():
+                return b"", too_large
+            return b"", error_response(400, "malformed Content-Length header",
+                                       code="invalid_value")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left; the app will see it when it reads
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), None
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    header = (b"x-request-id", request_id.encode("latin-1", "replace"))
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = dict(message)
+            message["headers"] = [*message.get("headers", []), header]
+        await send(message)
+
+    return send_with_id
+
+
+def _replay(body: bytes, receive: Receive) -> Callable[[], Awaitable[Message]]:
+    """A `receive` that yields the already-read body once, then the client's next messages."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,127 @@
+"""Prometheus metrics of the generative server, on a registry owned by one app.
+
+Names follow vLLM's with the `batchinfer_` prefix (the table is in docs/server.md). Gauges and the
+per-step histograms are fed by the engine thread's `StepStats` (one hand-off per step); request
+latencies by the outputs the event loop delivers, timed on the engine's monotonic clock.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from batchinfer.engine.async_llm import StepStats
+from batchinfer.engine.outputs import RequestOutput
+
+# vLLM's buckets, so dashboards built for it read these the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServerMetrics:
+    """The server's metrics; a `StatLogger` for `AsyncLLM` (`record_step`, `record_outputs`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.num_requests_running = Gauge(
+            "batchinfer_num_requests_running", "Requests in the running batch", registry=r)
+        self.num_requests_waiting = Gauge(
+            "batchinfer_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_cache_usage = Gauge(
+            "batchinfer_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
+            registry=r)
+        self.num_preemptions = Counter(
+            "batchinfer_num_preemptions", "Preemptions (recompute) of running requests",
+            registry=r)
+        self.prompt_tokens = Counter(
+            "batchinfer_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter(
+            "batchinfer_generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter(
+            "batchinfer_request_success", "Finished sequences by finish reason",
+            ["finished_reason"], registry=r)
+        self.time_to_first_token = Histogram(
+            "batchinfer_time_to_first_token_seconds", "Arrival to first token",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "batchinfer_inter_token_latency_seconds", "Time between two tokens of a request",
+            buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "batchinfer_e2e_request_latency_seconds", "Arrival to finish",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
+            "batchinfer_request_queue_time_seconds", "Arrival to first scheduled",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            "batchinfer_iteration_tokens", "Tokens computed per engine step",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "batchinfer_batch_size", "Sequences per engine step",
+            buckets=BATCH_SIZE_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(reason)
+        self._num_preemptions_seen = 0
+        self._last_token_s: dict[str, float] = {}  # request id -> time of its latest tokens
+
+    def record_step(self, stats: StepStats) -> None:
+        """Gauges, preemptions and the per-step histograms from one engine step."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions_total > self._num_preemptions_seen:
+            self.num_preemptions.inc(stats.num_preemptions_total - self._num_preemptions_seen)
+            self._num_preemptions_seen = stats.num_preemptions_total
+        if stats.num_scheduled_seqs:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+            self.batch_size.observe(stats.num_scheduled_seqs)
+
+    def record_outputs(self, outputs: list[RequestOutput], now_s: float) -> None:
+        """Token counts and request latencies from the outputs delivered at `now_s`."""
+        for output in outputs:
+            num_new = sum(len(ids) for ids in output.new_token_ids.values())
+            if num_new:
+                self._record_tokens(output, num_new, now_s)
+            if output.finished:
+                self._record_finished(output, now_s)
+
+    def _record_tokens(self, output: RequestOutput, num_new: int, now_s: float) -> None:
+        self.generation_tokens.inc(num_new)
+        last_s = self._last_token_s.get(output.request_id)
+        self._last_token_s[output.request_id] = now_s
+        if last_s is not None:
+            self.inter_token_latency.observe(now_s - last_s)
+            return
+        metrics = output.metrics
+        self.prompt_tokens.inc(output.num_prompt_tokens)
+        if metrics is None:
+            return
+        first_token_s = metrics.first_token_s if metrics.first_token_s is not None else now_s
+        self.time_to_first_token.observe(max(0.0, first_token_s - metrics.arrival_s))
+        if metrics.queue_time_s is not None:
+            self.request_queue_time.observe(max(0.0, metrics.queue_time_s))
+
+    def _record_finished(self, output: RequestOutput, now_s: float) -> None:
+        self._last_token_s.pop(output.request_id, None)
+        for completion in output.outputs:
+            self.request_success.labels(completion.finish_reason or "abort").inc()
+        metrics = output.metrics
+        if metrics is not None:
+            finished_s = metrics.finished_s if metrics.finished_s is not None else now_s
+            self.e2e_request_latency.observe(max(0.0, finished_s - metrics.arrival_s))
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

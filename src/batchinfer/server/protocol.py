@@ -1,0 +1,205 @@
+"""Request schemas of the OpenAI-compatible API, and their conversion to `SamplingParams`.
+
+Fields are OpenAI's names. Extensions (documented in docs/server.md): `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output` and `priority` (lower runs first; stored on the request, the
+scheduler is FCFS today). Unknown fields are ignored, as OpenAI-compatible servers do; fields
+batchinfer cannot honour (`echo`, `suffix`, `logit_bias`, `best_of != n`, tools, non-text
+content) are rejected with a 400 that names them rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batchinfer.core.sampling_params import SamplingParams
+
+# Bounds of the request body, so one request cannot ask for unbounded work.
+MAX_N = 16
+MAX_PROMPTS = 256
+
+
+class ParamError(ValueError):
+    """A request field with a bad value; `param` is the field's name in the API."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Schema):
+    """Fields shared by `/v1/completions` and `/v1/chat/completions`."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise ParamError("logit_bias is not supported", "logit_bias")
+        values: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            raise ParamError(str(exc), _param_of(str(exc))) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`: `prompt` is a string, a list of strings, a list of token ids or a
+    list of such lists (one choice group per prompt)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list; `ParamError` if empty or too many."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts: list[Any] = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise ParamError("prompt must not be empty", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise ParamError(f"prompt: at most {MAX_PROMPTS} prompts per request", "prompt")
+        return prompts
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ParamError("echo is not supported", "echo")
+        if self.suffix:
+            raise ParamError("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of is not supported (only best_of == n)", "best_of")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Schema):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`: the model's chat template renders `messages`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def chat(self) -> list[dict[str, str]]:
+        """Messages as `{"role", "content"}` dicts for the chat template; text parts only."""
+        if self.tools:
+            raise ParamError("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ParamError("response_format: only type 'text' is supported", "response_format")
+        chat = []
+        for i, message in enumerate(self.messages):
+            content = message.content
+            if isinstance(content, list):
+                if any(part.type != "text" or part.text is None for part in content):
+                    raise ParamError(
+                        f"messages[{i}].content: only text parts are supported", "messages"
+                    )
+                content = "\n".join(part.text or "" for part in content)
+            chat.append({"role": message.role, "content": content or ""})
+        return chat
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except ParamError as exc:
+            renamed = {"logprobs": "top_logprobs"}
+            if self.max_completion_tokens is not None:
+                renamed["max_tokens"] = "max_completion_tokens"
+            exc.param = renamed.get(exc.param or "", exc.param)
+            raise
+
+
+class TokenizeRequest(_Schema):
+    """`POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Schema):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _param_of(message: str) -> str | None:
+    """The field a `SamplingParams` error names (its messages start with the field's name)."""
+    match = re.match(r"[a-z_]+", message)
+    return match.group(0) if match else None

@@ -1,0 +1,412 @@
+"""What the generative endpoints do between parsing and the wire: run the prompts on `AsyncLLM`,
+stream SSE chunks or build the final body, abort on disconnect, map engine errors to HTTP.
+
+Streamed deltas are computed from the cumulative state of each choice (text sent so far, logprobs
+sent so far), so a client that reads slower than the engine steps gets fewer, larger chunks and
+never a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from batchinfer.core.outputs import TokenLogprobs
+from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+)
+from batchinfer.engine.inputs import Prompt
+from batchinfer.engine.outputs import CompletionOutput, RequestOutput
+from batchinfer.server.errors import APIError
+from batchinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ParamError,
+    TokenizeRequest,
+)
+
+Kind = Literal["completion", "chat"]
+Event = tuple[int, RequestOutput]  # (prompt index, output)
+_ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+_OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
+_CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+# JSON has no -inf: a token masked out by top-k / top-p reports this (as vLLM does).
+_MIN_LOGPROB = -9999.0
+RETRY_AFTER_S = 1
+
+
+class OpenAIServing:
+    """The completions and chat endpoints of one served model."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self._token_texts: dict[int, str] = {}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        params = _checked(body.sampling_params)
+        prompts: list[Prompt] = list(_checked(body.prompts))
+        return await self._run("completion", prompts, params, body.stream, body.include_usage,
+                               body.priority, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        params = _checked(body.sampling_params)
+        chat = _checked(body.chat)
+        return await self._run("chat", [chat], params, body.stream, body.include_usage,
+                               body.priority, request)
+
+    async def _run(
+        self,
+        kind: Kind,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
+        priority: int,
+        request: Request,
+    ) -> Response:
+        response_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
+        ids = [response_id]
+        if len(prompts) > 1:
+            ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        events = _merge([
+            self.llm.generate(prompt, params, request_id, priority)
+            for prompt, request_id in zip(prompts, ids, strict=True)
+        ])
+        render = _Renderer(kind, response_id, self.model_name, params.n, self.token_text)
+        if not stream:
+            try:
+                finals = await _unless_disconnected(_last_per_prompt(events), request)
+            finally:
+                await events.aclose()  # aborts what has not finished
+            if finals is None:  # the client left: nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(render.response(finals))
+        try:
+            # The first output (or error) before the headers: a rejected request gets its status.
+            first = await _engine_call(anext(events), request)
+        except BaseException:
+            await events.aclose()
+            raise
+        return StreamingResponse(
+            self._sse(render, first, events, include_usage, request),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+        )
+
+    async def _sse(
+        self,
+        render: _Renderer,
+        first: Event,
+        events: AsyncIterator[Event],
+        include_usage: bool,
+        request: Request,
+    ) -> AsyncIterator[bytes]:
+        try:
+            yield render.chunks(first)
+            async for event in events:
+                data = render.chunks(event)
+                if data:
+                    yield data
+            if include_usage:
+                yield render.usage_chunk()
+            yield b"data: [DONE]\n\n"
+        except (RequestFailedError, EngineDeadError) as exc:
+            error = _api_error(exc, request)
+            yield _sse_line({"error": error.body()["error"]})
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize`: `{"tokens", "count", "max_model_len"}`."""
+        if body.messages is not None:
+            chat = _checked(ChatCompletionRequest(messages=body.messages).chat)
+            _, token_ids = self.llm.tokenize(chat)
+        elif body.prompt is not None:
+            tokenizer = self.llm.tokenizer
+            token_ids = list(tokenizer.encode(body.prompt,
+                                              add_special_tokens=body.add_special_tokens))
+        else:
+            raise APIError(400, "give a prompt or messages", param="prompt")
+        return {"tokens": token_ids, "count": len(token_ids),
+                "max_model_len": self.llm.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/detokenize`: `{"prompt": text}`."""
+        vocab_size = self.llm.engine.spec.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {vocab_size}), got {bad[0]}",
+                           param="tokens")
+        return {"prompt": self.llm.tokenizer.decode(body.tokens)}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.llm.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+
+# --------------------------------------------------------------------------- errors
+def _checked(build: Any) -> Any:
+    """Call a schema's converter; its `ParamError` becomes a 400 naming the field."""
+    try:
+        return build()
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+async def _engine_call(awaitable: Any, request: Request) -> Any:
+    try:
+        return await awaitable
+    except (QueueFullError, RequestFailedError, EngineDeadError) as exc:
+        raise _api_error(exc, request) from None
+
+
+def _api_error(exc: Exception, request: Request) -> APIError:
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="queue_full",
+                        headers={"retry-after": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestFailedError):
+        header_id = request.headers.get("x-request-id")
+        where = f" (X-Request-Id {header_id})" if header_id else ""
+        return APIError(500, f"{exc}{where}", code="engine_error")
+    return APIError(503, str(exc), code="engine_unavailable")
+
+
+# --------------------------------------------------------------------------- streams
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Event]:
+    """One stream of (prompt index, output) from the streams of several prompts. Closing it
+    closes them all (which aborts whatever has not finished)."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+            else:
+                yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _last_per_prompt(events: AsyncIterator[Event]) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in events:
+        finals[index] = output
+    return finals
+
+
+async def _unless_disconnected(
+    work: Any, request: Request
+) -> dict[int, RequestOutput] | None:
+    """Await `work` (a non-streamed generation); None, with `work` cancelled, if the client
+    disconnects first."""
+    task = asyncio.ensure_future(_engine_call(work, request))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (if it ever comes).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --------------------------------------------------------------------------- rendering
+@dataclass(slots=True)
+class _ChoiceState:
+    num_chars: int = 0
+    num_logprobs: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+    role_sent: bool = False
+
+
+class _Renderer:
+    """Builds the JSON of one response: streamed chunks from successive outputs, or the final
+    body; tracks what each choice has sent and the usage."""
+
+    def __init__(
+        self, kind: Kind, response_id: str, model: str, n: int, token_text: Any
+    ) -> None:
+        self.kind = kind
+        self.response_id = response_id
+        self.model = model
+        self.n = n
+        self.token_text = token_text
+        self.created = int(time.time())
+        self.choices: dict[int, _ChoiceState] = {}
+        self.prompt_tokens: dict[int, int] = {}
+
+    # ---- streaming
+    def chunks(self, event: Event) -> bytes:
+        prompt_index, output = event
+        self.prompt_tokens[prompt_index] = output.num_prompt_tokens
+        lines = []
+        for completion in output.outputs:
+            choice = self._delta(prompt_index * self.n + completion.index, completion)
+            if choice is not None:
+                lines.append(_sse_line(self._envelope(_CHUNK_OBJECT[self.kind], [choice])))
+        return b"".join(lines)
+
+    def _delta(self, index: int, completion: CompletionOutput) -> dict[str, Any] | None:
+        state = self.choices.setdefault(index, _ChoiceState())
+        if state.finished:
+            return None
+        text = completion.text[state.num_chars:]
+        logprobs = completion.logprobs[state.num_logprobs:] if completion.logprobs else []
+        finished = completion.finish_reason is not None
+        if not text and not logprobs and not finished and (state.role_sent or self.kind != "chat"):
+            return None
+        state.num_chars = len(completion.text)
+        state.num_logprobs += len(logprobs)
+        state.num_tokens = len(completion.token_ids)
+        state.finished = finished
+        has_logprobs = completion.logprobs is not None
+        if self.kind == "completion":
+            return self._completion_choice(index, text, logprobs if has_logprobs else None,
+                                           completion)
+        delta: dict[str, Any] = {"content": text}
+        if not state.role_sent:
+            delta = {"role": "assistant", "content": text}
+            state.role_sent = True
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._chat_logprobs(logprobs) if has_logprobs else None,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+    def usage_chunk(self) -> bytes:
+        num_completion = sum(s.num_tokens for s in self.choices.values())
+        body = self._envelope(_CHUNK_OBJECT[self.kind], [])
+        body["usage"] = _usage(sum(self.prompt_tokens.values()), num_completion)
+        return _sse_line(body)
+
+    # ---- whole response
+    def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        choices = []
+        num_prompt = num_completion = 0
+        for prompt_index in sorted(finals):
+            output = finals[prompt_index]
+            num_prompt += output.num_prompt_tokens
+            for completion in output.outputs:
+                num_completion += len(completion.token_ids)
+                index = prompt_index * self.n + completion.index
+                logprobs = completion.logprobs
+                if self.kind == "completion":
+                    choices.append(self._completion_choice(index, completion.text, logprobs,
+                                                           completion))
+                    continue
+                choices.append({
+                    "index": index,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": self._chat_logprobs(logprobs) if logprobs is not None else None,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                })
+        body = self._envelope(_OBJECT[self.kind], choices)
+        body["usage"] = _usage(num_prompt, num_completion)
+        return body
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def _completion_choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[TokenLogprobs] | None,
+        completion: CompletionOutput,
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._completion_logprobs(logprobs) if logprobs is not None else None,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+    def _completion_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{self.token_text(t): _finite(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        return {"content": [
+            dict(self._chat_token(e.token_id, e.logprob),
+                 top_logprobs=[self._chat_token(t, lp) for t, lp in e.top])
+            for e in entries
+        ]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _sse_line(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + data.encode() + b"\n\n"
