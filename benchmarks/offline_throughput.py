@@ -76,8 +76,9 @@ def run_batchinfer(form: str, dtype: str, workload, args) -> Result:
 
 
 def load_hf(dtype: str):
-    from batchinfer.models.loader import load_model
     from transformers import AutoModelForCausalLM
+
+    from batchinfer.models.loader import load_model
 
     # The converted Hugging Face folder of the embedded GGUF: the very same weights.
     path = load_model("default", torch.float32, torch.device("cpu")).path
