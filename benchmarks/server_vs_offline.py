@@ -168,6 +168,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -182,24 +186,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--server-args", default="", help="extra flags for batchinfer serve")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternate offline and server runs this many times; medians kept "
+                        "(the machine is shared: alternation spreads its noise over both)")
     parser.add_argument("--json", default="results/server_vs_offline.json")
     args = parser.parse_args(argv)
+    # A SIGTERM (e.g. from `timeout`) unwinds normally, so the server subprocess is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     workload = make_workload(args.num_prompts, parse_range(args.input_len),
                              parse_range(args.output_len), args.vocab_size, args.seed)
-    offline = run_offline(args, workload)
-    print(f"offline  {offline['output_tok_s']:8.1f} out tok/s ({offline['seconds']:.1f} s, "
-          f"{offline['cpu_s']:.1f} CPU s)", flush=True)
-    server = run_server(args, workload, args.port)
+    offline_runs, server_runs = [], []
+    for _ in range(args.repeats):
+        offline_runs.append(run_offline(args, workload))
+        print(f"offline  {offline_runs[-1]['output_tok_s']:8.1f} out tok/s "
+              f"({offline_runs[-1]['seconds']:.1f} s, {offline_runs[-1]['cpu_s']:.1f} CPU s)",
+              flush=True)
+        server_runs.append(run_server(args, workload, args.port))
+        server = server_runs[-1]
+        print(f"server   {server['output_tok_s']:8.1f} out tok/s ({server['seconds']:.1f} s, "
+              f"{args.concurrency} streaming clients; server {server['cpu_s']:.1f} CPU s, "
+              f"client {server['client_cpu_s']:.1f} CPU s)", flush=True)
+    offline = median_run(offline_runs)
+    server = median_run(server_runs)
     ratio = server["output_tok_s"] / offline["output_tok_s"]
-    print(f"server   {server['output_tok_s']:8.1f} out tok/s ({server['seconds']:.1f} s, "
-          f"{args.concurrency} streaming clients; server {server['cpu_s']:.1f} CPU s, client "
-          f"{server['client_cpu_s']:.1f} CPU s) = {100 * ratio:.1f} % of offline")
+    print(f"median: offline {offline['output_tok_s']:.1f}, server {server['output_tok_s']:.1f} "
+          f"out tok/s = {100 * ratio:.1f} % of offline")
     print(f"TTFT p50 {server['ttft']['p50_ms']:.0f} ms, p99 {server['ttft']['p99_ms']:.0f} ms; "
           f"ITL p50 {server['itl']['p50_ms']:.1f} ms, p99 {server['itl']['p99_ms']:.1f} ms")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "config": vars(args), "offline": offline, "server": server, "ratio": ratio,
+        "config": vars(args), "offline_runs": offline_runs, "server_runs": server_runs,
+        "ratio": ratio,
         "cpu_count": os.cpu_count(),
     }, indent=2))
     return 0 if ratio >= 0.85 else 1

@@ -33,12 +33,12 @@ def test_metrics_match_injected_timings() -> None:
     assert (m.completed, m.failed) == (12, 0)
     assert m.total_output_tokens == 12 * num_tokens  # from usage
     assert m.total_input_tokens == 12 * 16  # the fake server counts words
-    # Loose bounds: a loaded 2-core machine adds scheduling noise, never removes delay.
-    assert m.ttft.median_ms == pytest.approx(ttft_s * 1000, rel=0.3)
-    assert m.tpot.median_ms == pytest.approx(itl_s * 1000, rel=0.3)
-    assert m.itl.median_ms == pytest.approx(itl_s * 1000, rel=0.3)
+    # Scheduling noise on a loaded 2-core machine only ever adds delay, so the bounds are
+    # asymmetric: never below what was injected, at most twice it (TTFT < E2EL still holds).
     e2el_ms = (ttft_s + (num_tokens - 1) * itl_s) * 1000
-    assert m.e2el.median_ms == pytest.approx(e2el_ms, rel=0.3)
+    for stats, injected_ms in ((m.ttft, ttft_s * 1000), (m.tpot, itl_s * 1000),
+                               (m.itl, itl_s * 1000), (m.e2el, e2el_ms)):
+        assert 0.9 * injected_ms <= stats.median_ms <= 2.0 * injected_ms
     for stats in (m.ttft, m.tpot, m.itl, m.e2el):
         assert stats.p50_ms <= stats.p90_ms <= stats.p95_ms <= stats.p99_ms
     assert m.goodput == pytest.approx(m.request_throughput)

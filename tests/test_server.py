@@ -407,6 +407,10 @@ def test_malformed_json_and_too_large(base_url):
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = httpx.post(url, content=b"[1, 2", headers={"content-type": "application/json"})
     assert r.status_code == 400
+    # `curl -d` labels JSON as a form; it is read as JSON all the same
+    r = httpx.post(url, content=b'{"prompt": "hi", "max_tokens": 2}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     big = json.dumps({"model": "tiny", "prompt": "x " * 40_000})
     r = httpx.post(url, content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["message"]

@@ -64,12 +64,15 @@ def test_sigterm_finishes_running_requests_then_exits_0(tmp_path):
             proc.wait()
 
 
-def test_serve_rejects_bad_flags():
-    result = subprocess.run(
-        [sys.executable, "-m", "batchinfer.cli.main", "serve", "--max-num-queued-requests", "0"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 2 and "max_num_queued_requests" in result.stderr
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--max-num-queued-requests", "0"], "max_num_queued_requests"),
+     (["--model", "none"], "--embedding-model")],
+)
+def test_serve_rejects_bad_flags(flags, named):
+    result = subprocess.run([sys.executable, "-m", "batchinfer.cli.main", "serve", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and named in result.stderr
 
 
 @pytest.mark.slow

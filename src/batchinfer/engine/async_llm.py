@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -233,7 +233,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs until it finishes. Raises `ValueError` (bad input or a
         prompt that can never fit), `QueueFullError`, `RequestFailedError`, `EngineDeadError`."""
         request_id = self.add_request(prompt, params, request_id, priority)

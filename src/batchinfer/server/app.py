@@ -268,6 +268,7 @@ class RequestGuard:
         if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body, error = await self._read_body(headers, receive)
             receive = _replay(body, receive)
+            _as_json(scope, headers)
         if error is not None:
             await error(scope, receive, send)
             return
@@ -306,6 +307,14 @@ class RequestGuard:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks), None
+
+
+def _as_json(scope: Scope, headers: Headers) -> None:
+    """Every body here is JSON: `curl -d` sends it as a form, so read it as JSON anyway."""
+    if headers.get("content-type", "").startswith("application/json"):
+        return
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    scope["headers"].append((b"content-type", b"application/json"))
 
 
 def _with_request_id(send: Send, request_id: str) -> Send:

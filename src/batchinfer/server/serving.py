@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,7 +111,7 @@ class OpenAIServing:
         self,
         render: _Renderer,
         first: Event,
-        events: AsyncIterator[Event],
+        events: AsyncGenerator[Event, None],
         include_usage: bool,
         request: Request,
     ) -> AsyncIterator[bytes]:
@@ -128,7 +128,7 @@ class OpenAIServing:
             error = _api_error(exc, request)
             yield _sse_line({"error": error.body()["error"]})
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: `{"tokens", "count", "max_model_len"}`."""
@@ -189,7 +189,9 @@ def _api_error(exc: Exception, request: Request) -> APIError:
 
 
 # --------------------------------------------------------------------------- streams
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Event]:
+async def _merge(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[Event, None]:
     """One stream of (prompt index, output) from the streams of several prompts. Closing it
     closes them all (which aborts whatever has not finished)."""
     if len(streams) == 1:
@@ -197,11 +199,11 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[E
             async for output in streams[0]:
                 yield 0, output
         finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
+            await streams[0].aclose()
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for output in stream:
                 queue.put_nowait((index, output, None))
