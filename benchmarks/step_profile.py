@@ -11,10 +11,11 @@ once every prompt is in, `--decode-steps` pure decode steps with all of them; th
 requests are aborted and as many decode steps run with the other half. With the default 64
 prompts of 200-400 tokens that gives decodes of 64 and 32 sequences at 200-500-token contexts.
 
-Times are the CPU time of this thread (`time.thread_time`), with torch on `--threads` threads
-(default 1): on a shared machine, wall time mostly measures the neighbours, and with one
-thread the thread's CPU time is exactly the work done. Each step's time is split by wrapping,
-for the run only:
+Times are the CPU time of this thread (`time.thread_time`) with torch on one thread (the
+default `--threads 1`): on a shared machine, wall time mostly measures the neighbours, and with
+one thread the thread's CPU time is exactly the work done. With `--threads N > 1` they are wall
+time, since the other threads' work would not show in this thread's CPU time. Each step's time
+is split by wrapping, for the run only:
 - linear:    `torch.nn.functional.linear` (every projection and the LM head);
 - attention: `PagedAttention.__call__` minus the two below (scores, softmax, weighted sum);
 - gather:    KV cache copies: block gathers (`attention._gather_blocks`) and this step's K/V
@@ -55,21 +56,22 @@ _TIMED: list[tuple[Any, str, str]] = [
 
 
 class SplitTimer:
-    """Self CPU time per bucket of the wrapped callables, reset per step."""
+    """Self time per bucket of the wrapped callables, reset per step, read from `clock`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = defaultdict(float)
         self._stack: list[list[float]] = []  # [start, time spent in nested wrapped calls]
 
     def wrap(self, fn: Callable[..., Any], bucket: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            frame = [time.thread_time(), 0.0]
+            frame = [self.clock(), 0.0]
             self._stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._stack.pop()
-                elapsed = time.thread_time() - frame[0]
+                elapsed = self.clock() - frame[0]
                 self.seconds[bucket] += elapsed - frame[1]
                 if self._stack:
                     self._stack[-1][1] += elapsed
@@ -118,14 +120,15 @@ def timed_step(
         )
         return record
     timer.seconds.clear()
-    start = time.thread_time()
+    start = timer.clock()
+    # The body of `LLMEngine.step()`, inlined to see what was scheduled.
     scheduler_output = engine.scheduler.schedule()
     if scheduler_output.is_empty:
         raise RuntimeError("nothing scheduled; the workload is too small for the step counts")
     runner_output = engine.runner.execute(scheduler_output)
     updates = engine.scheduler.update_from_output(scheduler_output, runner_output)
     engine.process_updates(updates)
-    total = time.thread_time() - start
+    total = timer.clock() - start
     split = {bucket: timer.seconds.get(bucket, 0.0) for bucket in BUCKETS[:-1]}
     split["other"] = total - sum(split.values())
     seqs = scheduler_output.sequences
@@ -169,7 +172,7 @@ def run_workload(
 
 def report(records: list[StepRecord]) -> None:
     kinds = list(dict.fromkeys(r.kind for r in records))
-    header = f"{'step type':15} {'steps':>5} {'tokens':>7} {'ctx max':>7} {'ms/step':>8}"
+    header = f"{'step type':15} {'steps':>5} {'seqs':>5} {'tokens':>6} {'ctx max':>7} {'ms/step':>8}"
     print(header + "".join(f" {b:>15}" for b in BUCKETS))
     for kind in kinds:
         group = [r for r in records if r.kind == kind]
@@ -177,10 +180,11 @@ def report(records: list[StepRecord]) -> None:
         ms = {b: 1e3 * statistics.median(r.seconds[b] for r in group) for b in BUCKETS}
         total = sum(ms.values())
         cells = "".join(f" {ms[b]:8.1f} ({ms[b] / total:4.0%})" for b in BUCKETS)
+        seqs = statistics.median(r.num_seqs for r in group)
         tokens = statistics.median(r.num_tokens for r in group)
         context = max(r.max_context for r in group)
-        print(f"{kind:15} {len(group):5} {tokens:7.0f} {context:7} {total:8.1f}{cells}")
-    print("(median CPU ms per step of each bucket; ms/step is their sum)")
+        print(f"{kind:15} {len(group):5} {seqs:5.0f} {tokens:6.0f} {context:7} {total:8.1f}{cells}")
+    print("(median ms per step of each bucket, seqs and tokens; ms/step is the buckets' sum)")
 
 
 def main() -> None:
@@ -202,7 +206,7 @@ def main() -> None:
     engine.add_tokenized(None, list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    timer = SplitTimer()
+    timer = SplitTimer(time.thread_time if args.threads == 1 else time.perf_counter)
     op_tables: dict[str, str] | None = {} if args.ops else None
     with timer.patched():
         records = run_workload(engine, args, timer, op_tables)

@@ -27,12 +27,14 @@ Measured with `python -m batchinfer.runner.attention_bench --threads 1`: one lay
 SmolLM2-135M attention shape (9 heads, 3 KV heads, head_dim 64), block_size 16, 64 decodes with
 contexts 240..360 in shuffled blocks; fastest of 30 calls in thread CPU time, on a shared 2-core
 AMD EPYC (AVX2, no AVX-512, so bf16 math is emulated), torch 2.13, neighbours loading the box:
-    one SDPA per sequence:                       fp32 10-11 ms   bf16 29 ms
-    grouped decodes, before (K and V gathered per
-      [n, len, kv, d] block, one big group):     fp32 11-13 ms   bf16 9.5-11 ms
-    grouped decodes, now:                        fp32 4.5 ms (sparse)   bf16 7-8 ms (gather)
+    one SDPA per sequence (`group_decodes=False`):   fp32 10-11 ms        bf16 29 ms
+    grouped, before (K, V gathered as [n, len, kv, d]
+      blocks, transposed by SDPA; one group):        fp32 11-13 ms        bf16 9.5-11 ms
+    grouped, now:                                    fp32 4.5-4.8 ms      bf16 6-8 ms
+                                                     (sparse)             (gather)
 Over 30 layers and a 2 GB cache (`benchmarks/step_profile.py`), a step of 64 decodes at
-200-450 tokens spends about 5-7 ms per layer in attention, against 9-11 ms in its matmuls.
+200-450 tokens spends 5.5-6 ms per layer in attention (was 14-16 ms with the gathers), against
+10-11 ms in its matmuls. SDPA gets 4-D inputs everywhere: 3-D ones take a slower CPU path.
 """
 
 from __future__ import annotations
