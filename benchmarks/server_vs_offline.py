@@ -1,12 +1,13 @@
 """HTTP serving against offline `LLM.generate` on the same workload, measured in one run.
 
     .venv/bin/python benchmarks/server_vs_offline.py                    # 64 prompts, default model
-    .venv/bin/python benchmarks/server_vs_offline.py --num-prompts 32 --output-len 32:128
+    .venv/bin/python benchmarks/server_vs_offline.py --num-prompts 32 --input-len 32:128 \
+        --output-len 32:128 --repeats 2        # smaller, alternated twice (a shared machine)
 
 The workload is the offline benchmark's (`offline_throughput.make_workload`: token-id prompts of
 `--input-len` tokens, `--output-len` output tokens, `ignore_eos`, greedy, fixed seed). First
 `LLM.generate` runs it in this process; then a `batchinfer serve` subprocess serves it to
-`--concurrency` streaming clients over loopback (the bench client: raw SSE, one timestamp per
+`--concurrency` streaming clients over loopback (a minimal client: raw SSE, one timestamp per
 read). Throughput is useful output tokens per second of wall time; the target is HTTP >= 85 % of
 offline. TTFT and ITL (gaps between content chunks of a request) are reported as p50 / p99.
 """
@@ -108,7 +109,8 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float = 600.0
     raise SystemExit("the server did not become healthy")
 
 
-async def run_clients(base_url: str, workload, concurrency: int) -> tuple[float, list]:
+async def run_clients(base_url: str, workload, concurrency: int,
+                      on_start=lambda: None) -> tuple[float, list]:
     url = f"{base_url}/v1/completions"
     bodies = [json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens,
                           "temperature": 0, "ignore_eos": True, "stream": True,
@@ -123,6 +125,7 @@ async def run_clients(base_url: str, workload, concurrency: int) -> tuple[float,
             async with semaphore:
                 return await send_request(client, url, body)
 
+        on_start()
         start = time.perf_counter()
         results = await asyncio.gather(*(one(b) for b in bodies))
         return time.perf_counter() - start, results
@@ -141,9 +144,15 @@ def run_server(args, workload, port: int) -> dict:
     proc = start_server(args, port)
     try:
         wait_healthy(base_url, proc)
-        cpu_s, client_cpu_s = process_cpu_s(proc.pid), time.process_time()
-        seconds, results = asyncio.run(run_clients(base_url, workload, args.concurrency))
-        cpu_s, client_cpu_s = process_cpu_s(proc.pid) - cpu_s, time.process_time() - client_cpu_s
+        cpu_at_start: list[float] = []
+
+        def on_start() -> None:  # after the warm-up
+            cpu_at_start[:] = [process_cpu_s(proc.pid), time.process_time()]
+
+        seconds, results = asyncio.run(run_clients(base_url, workload, args.concurrency,
+                                                   on_start))
+        cpu_s = process_cpu_s(proc.pid) - cpu_at_start[0]
+        client_cpu_s = time.process_time() - cpu_at_start[1]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -159,7 +168,7 @@ def run_server(args, workload, port: int) -> dict:
             for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)]
     return {"seconds": seconds, "output_tokens": num_output, "output_tok_s": num_output / seconds,
             "ttft": percentiles(ttfts), "itl": percentiles(itls), "cpu_s": cpu_s,
-            "client_cpu_s": client_cpu_s}
+            "client_cpu_s": client_cpu_s, "ttfts_s": ttfts, "itls_s": itls}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -168,8 +177,9 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def median_run(runs: list[dict]) -> dict:
-    return sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
+def pooled_tok_s(runs: list[dict]) -> float:
+    """Output tokens over seconds of all runs together (alternated runs share the noise)."""
+    return sum(r["output_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--server-args", default="", help="extra flags for batchinfer serve")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="alternate offline and server runs this many times; medians kept "
+                        help="alternate offline and server runs this many times and pool them "
                         "(the machine is shared: alternation spreads its noise over both)")
     parser.add_argument("--json", default="results/server_vs_offline.json")
     args = parser.parse_args(argv)
@@ -207,17 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server   {server['output_tok_s']:8.1f} out tok/s ({server['seconds']:.1f} s, "
               f"{args.concurrency} streaming clients; server {server['cpu_s']:.1f} CPU s, "
               f"client {server['client_cpu_s']:.1f} CPU s)", flush=True)
-    offline = median_run(offline_runs)
-    server = median_run(server_runs)
-    ratio = server["output_tok_s"] / offline["output_tok_s"]
-    print(f"median: offline {offline['output_tok_s']:.1f}, server {server['output_tok_s']:.1f} "
-          f"out tok/s = {100 * ratio:.1f} % of offline")
-    print(f"TTFT p50 {server['ttft']['p50_ms']:.0f} ms, p99 {server['ttft']['p99_ms']:.0f} ms; "
-          f"ITL p50 {server['itl']['p50_ms']:.1f} ms, p99 {server['itl']['p99_ms']:.1f} ms")
+    offline_tok_s, server_tok_s = pooled_tok_s(offline_runs), pooled_tok_s(server_runs)
+    ratio = server_tok_s / offline_tok_s
+    ttft = percentiles([t for r in server_runs for t in r["ttfts_s"]])
+    itl = percentiles([t for r in server_runs for t in r["itls_s"]])
+    print(f"all runs: offline {offline_tok_s:.1f}, server {server_tok_s:.1f} out tok/s "
+          f"= {100 * ratio:.1f} % of offline")
+    print(f"TTFT p50 {ttft['p50_ms']:.0f} ms, p99 {ttft['p99_ms']:.0f} ms; "
+          f"ITL p50 {itl['p50_ms']:.1f} ms, p99 {itl['p99_ms']:.1f} ms")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
         "config": vars(args), "offline_runs": offline_runs, "server_runs": server_runs,
-        "ratio": ratio,
+        "offline_tok_s": offline_tok_s, "server_tok_s": server_tok_s, "ratio": ratio,
+        "ttft": ttft, "itl": itl,
         "cpu_count": os.cpu_count(),
     }, indent=2))
     return 0 if ratio >= 0.85 else 1
