@@ -9,7 +9,11 @@ The workload is the offline benchmark's (`offline_throughput.make_workload`: tok
 `LLM.generate` runs it in this process; then a `batchinfer serve` subprocess serves it to
 `--concurrency` streaming clients over loopback (a minimal client: raw SSE, one timestamp per
 read). Throughput is useful output tokens per second of wall time; the target is HTTP >= 85 % of
-offline. TTFT and ITL (gaps between content chunks of a request) are reported as p50 / p99.
+offline. `--concurrency` clients can keep at most that many requests in flight, so the server's
+batch is capped there while `LLM.generate` batches up to `max_num_seqs`; `LLM.generate` with
+`max_num_seqs = --concurrency` also runs (`--no-capped-offline` skips it) to separate the cost of
+serving from the cost of the smaller batch. TTFT and ITL (gaps between content chunks of a
+request) are reported as p50 / p99.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 from offline_throughput import make_workload, parse_range  # noqa: E402
 
 
-def run_offline(args, workload) -> dict:
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+def run_offline(args, workload, **engine_knobs) -> dict:
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, **engine_knobs)
     prompts = [p for p, _ in workload]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -199,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate offline and server runs this many times and pool them "
                         "(the machine is shared: alternation spreads its noise over both)")
+    parser.add_argument("--capped-offline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run LLM.generate with max_num_seqs = --concurrency: the "
+                        "offline speed at the batch the clients allow (default: on)")
     parser.add_argument("--json", default="results/server_vs_offline.json")
     args = parser.parse_args(argv)
     # A SIGTERM (e.g. from `timeout`) unwinds normally, so the server subprocess is stopped.
@@ -206,12 +213,18 @@ def main(argv: list[str] | None = None) -> int:
 
     workload = make_workload(args.num_prompts, parse_range(args.input_len),
                              parse_range(args.output_len), args.vocab_size, args.seed)
-    offline_runs, server_runs = [], []
+    offline_runs, capped_runs, server_runs = [], [], []
     for _ in range(args.repeats):
         offline_runs.append(run_offline(args, workload))
         print(f"offline  {offline_runs[-1]['output_tok_s']:8.1f} out tok/s "
               f"({offline_runs[-1]['seconds']:.1f} s, {offline_runs[-1]['cpu_s']:.1f} CPU s)",
               flush=True)
+        if args.capped_offline:
+            capped_runs.append(run_offline(args, workload, max_num_seqs=args.concurrency))
+            print(f"offline, max_num_seqs={args.concurrency}  "
+                  f"{capped_runs[-1]['output_tok_s']:8.1f} out tok/s "
+                  f"({capped_runs[-1]['seconds']:.1f} s, {capped_runs[-1]['cpu_s']:.1f} CPU s)",
+                  flush=True)
         server_runs.append(run_server(args, workload, args.port))
         server = server_runs[-1]
         print(f"server   {server['output_tok_s']:8.1f} out tok/s ({server['seconds']:.1f} s, "
@@ -223,12 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     itl = percentiles([t for r in server_runs for t in r["itls_s"]])
     print(f"all runs: offline {offline_tok_s:.1f}, server {server_tok_s:.1f} out tok/s "
           f"= {100 * ratio:.1f} % of offline")
+    capped_tok_s = pooled_tok_s(capped_runs) if capped_runs else None
+    if capped_tok_s:
+        print(f"offline with at most {args.concurrency} sequences in flight (as many as the "
+              f"clients): {capped_tok_s:.1f} out tok/s; server = "
+              f"{100 * server_tok_s / capped_tok_s:.1f} % of it")
     print(f"TTFT p50 {ttft['p50_ms']:.0f} ms, p99 {ttft['p99_ms']:.0f} ms; "
           f"ITL p50 {itl['p50_ms']:.1f} ms, p99 {itl['p99_ms']:.1f} ms")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
         "config": vars(args), "offline_runs": offline_runs, "server_runs": server_runs,
         "offline_tok_s": offline_tok_s, "server_tok_s": server_tok_s, "ratio": ratio,
+        "capped_offline_runs": capped_runs, "capped_offline_tok_s": capped_tok_s,
         "ttft": ttft, "itl": itl,
         "cpu_count": os.cpu_count(),
     }, indent=2))

@@ -99,10 +99,12 @@ def test_stop_kills_a_server_that_ignores_sigterm() -> None:
 @pytest.mark.slow
 def test_tiny_sweep_against_the_real_server(tmp_path: Path) -> None:
     pytest.importorskip("batchinfer.cli.serve")
+    # Batches of 2 divide both the 2 warm-ups and the 8 prompts: a static server runs only
+    # full batches, and would hold a partial one until the request timeout.
     rc = main(["bench", "sweep", "--batching", "static,dynamic,continuous",
-               "--request-rate", "4,inf", "--num-prompts", "8", "--input-len", "16",
-               "--output-len", "8", "--num-warmups", "2", "--result-dir", str(tmp_path),
-               "--no-progress"])
+               "--max-batch-size", "2", "--request-rate", "4,inf", "--num-prompts", "8",
+               "--input-len", "16", "--output-len", "8", "--num-warmups", "2",
+               "--result-dir", str(tmp_path), "--no-progress"])
     assert rc == 0
     points = json.loads((tmp_path / "sweep.json").read_text())["points"]
     assert len(points) == 6 and all(p["completed"] == 8 for p in points)

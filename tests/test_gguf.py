@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from batchinfer import LLM, SamplingParams
 from batchinfer.models import gguf as gguf_module
 from batchinfer.models import load_model
 from batchinfer.models.registry import default_gguf_path
@@ -228,7 +229,6 @@ def default_model(tmp_path_factory: pytest.TempPathFactory):
     return load_model("default", torch.float32, "cpu", cache_dir=cache_dir)
 
 
-@pytest.mark.slow
 def test_default_model_converts(default_model) -> None:
     spec = default_model.spec
     assert default_model.name == "SmolLM2-135M-Instruct"
@@ -260,21 +260,20 @@ def test_default_model_matches_transformers_gguf_loader(default_model) -> None:
         assert default_model.tokenizer(text).input_ids == tokenizer(text).input_ids
 
 
-@pytest.mark.slow
 def test_default_model_greedy_decode_matches_transformers(default_model) -> None:
-    prompt = default_model.tokenizer("The capital of France is").input_ids
+    """The engine (paged KV cache, continuous batching, three prompts in one batch) against
+    Hugging Face `generate` one prompt at a time, on the converted embedded model."""
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
     reference = AutoModelForCausalLM.from_pretrained(default_model.path, dtype=torch.float32)
-    expected = reference.generate(
-        torch.tensor([prompt]), max_new_tokens=8, do_sample=False, attention_mask=None
-    )[0].tolist()
+    expected = []
+    for prompt in prompts:
+        ids = default_model.tokenizer(prompt).input_ids
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids)))
+        expected.append(out[0, len(ids):].tolist())
 
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(8):
-            tokens = torch.tensor(ids)
-            hidden = default_model.model(
-                tokens, torch.arange(len(ids)), dense_attention([(0, len(ids))])
-            )
-            ids.append(int(default_model.model.compute_logits(hidden[-1:]).argmax(-1)))
-    assert ids == expected
-    assert "Paris" in default_model.tokenizer.decode(ids[len(prompt) :])
+    llm = LLM(str(default_model.path), dtype="float32", kv_cache_memory="64M")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert "Paris" in outs[0].outputs[0].text

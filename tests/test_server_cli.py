@@ -1,4 +1,4 @@
-"""`batchinfer serve` as a process: SIGTERM drains running requests and exits 0; and (slow) the
+"""`batchinfer serve` as a process: SIGTERM drains running requests and exits 0; and the
 embedded default model answers a question."""
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def test_serve_rejects_bad_flags(flags, named):
     assert result.returncode == 2 and named in result.stderr
 
 
-@pytest.mark.slow
 def test_default_model_knows_the_capital_of_france():
     with run_server(build_app(EngineConfig()), timeout_s=600) as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
