@@ -288,10 +288,12 @@ class Encoder:
         if self._uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(input_ids)
         hidden = self.model(**inputs).last_hidden_state  # [n, L, hidden]
-        vectors = pool(hidden, mask, self.pooling.modes)  # [n, dim] float32
-        if self.pooling.normalize:
-            vectors = F.normalize(vectors, p=2, dim=1)
-        return vectors.cpu()
+        return self._sentence_vectors(hidden, mask).cpu()
+
+    def _sentence_vectors(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Right-padded token states [n, L, hidden] + mask -> [n, dim] float32 vectors."""
+        vectors = pool(hidden, mask, self.pooling.modes)
+        return F.normalize(vectors, p=2, dim=1) if self.pooling.normalize else vectors
 
     def _encode_packed(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
         assert self.packed is not None
@@ -303,9 +305,7 @@ class Encoder:
         padded = torch.nn.utils.rnn.pad_sequence(list(hidden.split(lengths)), batch_first=True)
         mask = (torch.arange(padded.shape[1], device=self.device)
                 < torch.tensor(lengths, device=self.device).unsqueeze(1)).long()
-        vectors = pool(padded, mask, self.pooling.modes)
-        if self.pooling.normalize:
-            vectors = F.normalize(vectors, p=2, dim=1)
+        vectors = self._sentence_vectors(padded, mask)
         out = torch.empty_like(vectors)
         out[order] = vectors
         return out.cpu()
