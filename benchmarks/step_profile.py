@@ -16,7 +16,8 @@ default `--threads 1`): on a shared machine, wall time mostly measures the neigh
 one thread the thread's CPU time is exactly the work done. With `--threads N > 1` they are wall
 time, since the other threads' work would not show in this thread's CPU time. Each step's time
 is split by wrapping, for the run only:
-- linear:    `torch.nn.functional.linear` (every projection and the LM head);
+- linear:    every projection and the LM head (`PackedLinear`, or `F.linear` with
+             `--no-prepack-weights`);
 - attention: `PagedAttention.__call__` minus the two below (scores, softmax, weighted sum);
 - gather:    KV cache copies: block gathers (`attention._gather_blocks`) and this step's K/V
              writes (`_write_kv`). CPU float32 decodes read the cache in place, without a
@@ -43,12 +44,14 @@ import torch.nn.functional as F
 
 from batchinfer import SamplingParams
 from batchinfer.engine.llm_engine import LLMEngine
+from batchinfer.models.prepack import PackedLinear
 from batchinfer.runner import attention as attention_module
 
 BUCKETS = ("linear", "attention", "gather", "other")
 # (owner, attribute, bucket): the callables timed, patched for the duration of the run.
 _TIMED: list[tuple[Any, str, str]] = [
     (F, "linear", "linear"),
+    (PackedLinear, "forward", "linear"),
     (attention_module.PagedAttention, "__call__", "attention"),
     (attention_module, "_gather_blocks", "gather"),
     (attention_module, "_write_kv", "gather"),
@@ -195,12 +198,14 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="oneDNN-packed linear weights, the engine's default")
     parser.add_argument("--ops", action="store_true",
                         help="also print torch.profiler's top ops of one step of each type")
     args = parser.parse_args()
     engine = LLMEngine.from_kwargs(
         model="default", dtype="float32", num_threads=args.threads,
-        max_num_seqs=max(64, args.num_prompts),
+        max_num_seqs=max(64, args.num_prompts), prepack_weights=args.prepack_weights,
     )
     # Warm-up: first-call allocations and lazy initialisation stay out of the figures.
     engine.add_tokenized(None, list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))

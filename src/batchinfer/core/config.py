@@ -57,6 +57,8 @@ class EngineConfig:
     seed: int = field(default=0, metadata=_help("seed of unseeded random sampling"))
     num_threads: int | None = field(default=None, metadata=_help(
         "CPU threads for torch; default: all cores"))
+    prepack_weights: bool = field(default=True, metadata=_help(
+        "CPU float32: keep linear weights in oneDNN's packed layout (faster matmuls)"))
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -77,6 +79,8 @@ class EngineConfig:
         _positive_int("seed", self.seed, low=0)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
         _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         _fraction("kv_admission_watermark", self.kv_admission_watermark)
         if not isinstance(self.max_batch_delay_ms, int | float) or self.max_batch_delay_ms < 0:

@@ -23,6 +23,7 @@ from batchinfer.engine.inputs import Prompt, tokenize_prompt
 from batchinfer.engine.output_processor import OutputProcessor
 from batchinfer.engine.outputs import RequestOutput
 from batchinfer.models.loader import load_model, resolve_dtype
+from batchinfer.models.prepack import prepack_supported
 from batchinfer.runner.kv_cache import kv_cache_budget_bytes, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 
@@ -46,6 +47,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = load_model(config.model, self.dtype, self.device)
+        if config.prepack_weights and prepack_supported(self.device, self.dtype):
+            self.loaded.model.prepack_weights()
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)

