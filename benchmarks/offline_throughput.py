@@ -12,6 +12,7 @@ and writes JSON (`--json`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import resource
@@ -35,6 +36,7 @@ class Result:
     seconds: float
     prompt_tokens: int
     output_tokens: int
+    peak_rss_gib: float = 0.0  # of the process during this run (see `measure_peak_rss`)
 
     @property
     def output_tok_s(self) -> float:
@@ -115,11 +117,39 @@ def run_hf(name: str, dtype: str, workload, batch_size: int, model) -> Result:
                   sum(m for _, m in workload))
 
 
-def run_system(system: str, dtype: str, workload, args, model) -> Result:
+def measure_peak_rss(run):
+    """`run()` and the process's peak RSS in GiB during it: Linux's VmHWM, reset first by
+    writing 5 to /proc/self/clear_refs (elsewhere, the peak since the process started)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    result = run()
+    try:
+        status = Path("/proc/self/status").read_text()
+        kib = int(status.split("VmHWM:")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result.peak_rss_gib = kib / (1 << 20)
+    return result
+
+
+def run_system(system: str, dtype: str, workload, args) -> Result:
+    """One run of `system`. Each holds only its own model: HF's is loaded for its runs and
+    freed after, so every row's peak RSS is that system's alone."""
+    if system.startswith("hf"):
+        model = load_hf(dtype)
+        return measure_peak_rss(lambda: run_hf_system(system, dtype, workload, args, model))
+    return measure_peak_rss(lambda: run_batchinfer_system(system, dtype, workload, args))
+
+
+def run_batchinfer_system(system: str, dtype: str, workload, args) -> Result:
     if system in ("continuous", "static", "dynamic"):
         return run_batchinfer(system, dtype, workload, args)
     if system == "single":
         return run_batchinfer(system, dtype, workload[:args.single_prompts], args)
+    raise SystemExit(f"unknown system {system!r}")
+
+
+def run_hf_system(system: str, dtype: str, workload, args, model) -> Result:
     if system == "hf-static":
         return run_hf(system, dtype, workload, args.static_batch_size, model)
     if system == "hf-single":
@@ -151,14 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []  # the median run of each system
     all_runs: list[Result] = []
     systems = args.systems.split(",")
-    console = Console()
+    console = Console(width=max(Console().width, 110))  # a full table in logs too
     for dtype in args.dtypes.split(","):
-        model = load_hf(dtype) if any(s.startswith("hf") for s in systems) else None
         runs: dict[str, list[Result]] = {system: [] for system in systems}
         # Round robin over the systems, so a noisy stretch of the machine hits them alike.
         for repeat in range(args.repeats):
             for system in systems:
-                result = run_system(system, dtype, workload, args, model)
+                result = run_system(system, dtype, workload, args)
                 runs[system].append(result)
                 console.print(f"{system:12s} {dtype:9s} {result.output_tok_s:8.1f} out tok/s "
                               f"{result.total_tok_s:8.1f} total tok/s ({result.seconds:.1f} s, "
@@ -166,23 +195,27 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             results.append(sorted(runs[system], key=lambda r: r.seconds)[args.repeats // 2])
             all_runs.extend(runs[system])
-        del model
 
     table = Table(title=f"offline throughput: {args.num_prompts} prompts, input {args.input_len},"
                         f" output {args.output_len} (torch threads {torch.get_num_threads()})")
     for col in ("system", "dtype", "prompts", "seconds", "useful out tok/s", "total tok/s",
-                "vs HF"):
+                "vs HF", "peak RSS GiB"):
         table.add_column(col, justify="right")
+    runs_of: dict[tuple[str, str], list[Result]] = {}
+    for run in all_runs:
+        runs_of.setdefault((run.system, run.dtype), []).append(run)
     # Batched systems compare with HF static batches, one-at-a-time ones with HF one at a time.
     hf = {(r.system, r.dtype): r.output_tok_s for r in results if r.system.startswith("hf-")}
     for r in results:
         key = ("hf-single" if r.system.endswith("single") else "hf-static", r.dtype)
         ratio = f"{r.output_tok_s / hf[key]:.2f}x" if key in hf else "-"
         table.add_row(r.system, r.dtype, str(r.num_prompts), f"{r.seconds:.1f}",
-                      f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}", ratio)
+                      f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}", ratio,
+                      f"{max(x.peak_rss_gib for x in runs_of[r.system, r.dtype]):.2f}")
     console.print(table)
+    console.print("peak RSS: the process's, highest over that system's runs; each run holds only "
+                  "its own model")
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-    console.print(f"peak RSS of this process: {peak_rss_gib:.2f} GiB")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
         "config": vars(args),

@@ -130,7 +130,9 @@ def load_weights(
 
         for name, param in model.named_parameters():
             parts = [read(hf_name).to(dtype) for hf_name in checkpoint_names(name)]
-            tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+            # A copy either way: a tensor read as is would keep the file's memory map (and
+            # every page of it the process touched) resident for as long as it lives.
+            tensor = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             if tensor.shape != param.shape:
                 raise ValueError(
                     f"{folder}: tensor(s) {', '.join(checkpoint_names(name))} have shape "

@@ -3,16 +3,16 @@
 `F.linear` with a dense weight on CPU goes to MKL's sgemm, which re-blocks the weight matrix
 inside every call. oneDNN can instead reorder a weight once, at load time, into the blocked
 layout its kernels read (`torch.ops.mkldnn._reorder_linear_weight`), and run every later
-product on it (`torch.ops.mkldnn._linear_pointwise`), the same pair PyTorch's own CPU compiler
-uses for frozen float32 linears. The packed tensor replaces the dense one, so memory is
-unchanged, except a tied LM head, which gets a packed copy of the embedding table (the table
-itself stays dense for the token lookup).
+product on it (`torch.ops.mkldnn._linear_pointwise`). The packed tensor replaces the dense one,
+so memory is unchanged, except a tied LM head, which gets a packed copy of the embedding table
+(the table itself stays dense for the token lookup).
 
-Measured on a 2-core AMD EPYC (AVX2), SmolLM2-135M float32, 2 threads,
-`benchmarks/step_profile.py --threads 2 --num-prompts 32 --decode-steps 8`, median wall ms
-per step, dense -> packed: decode of 32 sequences 258 -> 169, of 16 sequences 190 -> 119,
-prefill-heavy (2,048 tokens) 4,253 -> 3,768. The LM head alone (576 -> 49,152, 33 rows):
-34 -> 15 ms. Results match dense `F.linear` to float32 rounding (a different summation order),
+Measured on a 2-core AMD EPYC (AVX2), SmolLM2-135M float32, 2 threads, two runs of
+`benchmarks/step_profile.py --threads 2 --num-prompts 32 --decode-steps 8` with and without
+`--no-prepack-weights`, median wall ms per step, dense -> packed: decode of 32 sequences
+258-261 -> 169-212, of 16 sequences 190-201 -> 119-121, prefill steps of 2,048 tokens
+4,010-4,253 -> 3,768-4,158 (within the noise). The LM head alone (576 -> 49,152, 33 rows):
+34 -> 15 ms. Results match dense `F.linear` to float32 rounding (another summation order),
 not bit for bit.
 
 Only float32 on CPU: oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT), and on GPUs the
