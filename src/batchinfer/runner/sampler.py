@@ -5,10 +5,13 @@ penalty or temperature, as vLLM returns by default); then repetition penalty (HF
 output tokens, divide positive logits, multiply negative ones), frequency / presence penalties
 (OpenAI: over output tokens only), `min_tokens` (EOS and stop tokens masked while the output is
 shorter); greedy rows take the argmax of that; random rows then divide by temperature and apply
-min_p, top_k, top_p, and draw with the exponential race `argmax(probs / Exponential(1))`.
+min_p, top_k, top_p, and draw by inverse CDF: one uniform number per row, located in the row's
+cumulative probabilities. (The exponential race `argmax(probs / Exponential(1))` needs a random
+number per vocabulary entry: 41-45 ms for 32 rows of SmolLM2's 49,152 on the development CPU,
+a fifth of a decode step, against ~1 ms for the inverse CDF.)
 
 Every step is one tensor op over all rows that need it; Python loops only build index lists and
-draw the noise of seeded rows. A seeded row's noise comes from a generator seeded with
+draw the uniforms of seeded rows. A seeded row's uniform comes from a generator seeded with
 `(seed, sample_index)`, so its tokens do not depend on its batch neighbours, its row, or a
 preemption; unseeded rows share the sampler's generator (seeded once from the engine's seed).
 """
@@ -63,7 +66,7 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
-            token_ids[rows] = self._race(probs, [sequences[i] for i in random_rows])
+            token_ids[rows] = self._draw(probs, [sequences[i] for i in random_rows])
         token_list = token_ids.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None)
@@ -92,25 +95,30 @@ class Sampler:
             logits[torch.tensor(rows, device=logits.device),
                    torch.tensor(cols, device=logits.device)] = float("-inf")
 
-    def _race(self, probs: torch.Tensor, sequences: list[ScheduledSequence]) -> torch.Tensor:
-        """`argmax(probs / E)`, E ~ Exponential(1) per element: a draw from `probs` per row."""
-        noise = torch.empty_like(probs)
+    def _draw(self, probs: torch.Tensor, sequences: list[ScheduledSequence]) -> torch.Tensor:
+        """One token per row of `probs` `[n, vocab]` (unnormalized is fine), by inverse CDF."""
+        n = probs.shape[0]
+        uniforms = torch.empty(n, 1, device=probs.device)
         unseeded = [r for r, s in enumerate(sequences) if s.sampling_params.seed is None]
-        if len(unseeded) == len(sequences):
-            noise.exponential_(generator=self.generator)
+        if len(unseeded) == n:
+            uniforms.uniform_(generator=self.generator)
         elif unseeded:
-            noise[torch.tensor(unseeded, device=probs.device)] = torch.empty(
-                len(unseeded), probs.shape[1], device=probs.device
-            ).exponential_(generator=self.generator)
+            uniforms[torch.tensor(unseeded, device=probs.device)] = torch.empty(
+                len(unseeded), 1, device=probs.device
+            ).uniform_(generator=self.generator)
         for r, seq in enumerate(sequences):
             seed = seq.sampling_params.seed
             if seed is not None:
                 self._row_generator.manual_seed(row_seed(seed, seq.sample_index))
-                noise[r].exponential_(generator=self._row_generator)
-        # exponential_ can return exactly 0; 0/0 = NaN would win the argmax for a masked token.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
-
+                uniforms[r].uniform_(generator=self._row_generator)
+        cdf = probs.cumsum_(dim=-1)  # in place: `probs` is this call's own tensor
+        total = cdf[:, -1:]
+        # Targets strictly below the total (u x total can round up to it): the first entry whose
+        # cumulative mass exceeds the target then always has a probability above zero, since a
+        # filtered entry's cumulative mass equals its predecessor's.
+        below_total = torch.nextafter(total, torch.zeros_like(total))
+        targets = torch.minimum(uniforms.mul_(total), below_total)
+        return torch.searchsorted(cdf, targets, right=True).squeeze(1)
 
 def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
     """Repetition (prompt + output), then frequency and presence (output) penalties, in place."""
