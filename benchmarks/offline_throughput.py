@@ -132,29 +132,19 @@ def measure_peak_rss(run):
     return result
 
 
+SYSTEMS = ("continuous", "static", "dynamic", "single", "hf-static", "hf-single")
+
+
 def run_system(system: str, dtype: str, workload, args) -> Result:
-    """One run of `system`. Each holds only its own model: HF's is loaded for its runs and
-    freed after, so every row's peak RSS is that system's alone."""
-    if system.startswith("hf"):
-        model = load_hf(dtype)
-        return measure_peak_rss(lambda: run_hf_system(system, dtype, workload, args, model))
-    return measure_peak_rss(lambda: run_batchinfer_system(system, dtype, workload, args))
-
-
-def run_batchinfer_system(system: str, dtype: str, workload, args) -> Result:
-    if system in ("continuous", "static", "dynamic"):
-        return run_batchinfer(system, dtype, workload, args)
-    if system == "single":
-        return run_batchinfer(system, dtype, workload[:args.single_prompts], args)
-    raise SystemExit(f"unknown system {system!r}")
-
-
-def run_hf_system(system: str, dtype: str, workload, args, model) -> Result:
-    if system == "hf-static":
-        return run_hf(system, dtype, workload, args.static_batch_size, model)
-    if system == "hf-single":
-        return run_hf(system, dtype, workload[:args.single_prompts], 1, model)
-    raise SystemExit(f"unknown system {system!r}")
+    """One run of `system` (one of `SYSTEMS`). Each holds only its own model: HF's is loaded
+    for its runs and freed after, so every row's peak RSS is that system's alone."""
+    if system.endswith("single"):  # one at a time is slow: the first prompts only
+        workload = workload[:args.single_prompts]
+    if not system.startswith("hf-"):
+        return measure_peak_rss(lambda: run_batchinfer(system, dtype, workload, args))
+    model = load_hf(dtype)
+    batch_size = 1 if system == "hf-single" else args.static_batch_size
+    return measure_peak_rss(lambda: run_hf(system, dtype, workload, batch_size, model))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []  # the median run of each system
     all_runs: list[Result] = []
     systems = args.systems.split(",")
+    unknown = [system for system in systems if system not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     console = Console(width=max(Console().width, 110))  # a full table in logs too
     for dtype in args.dtypes.split(","):
         runs: dict[str, list[Result]] = {system: [] for system in systems}

@@ -129,10 +129,15 @@ def load_weights(
                 raise ValueError(f"{file}: cannot read tensor {hf_name!r} ({exc})") from exc
 
         for name, param in model.named_parameters():
-            parts = [read(hf_name).to(dtype) for hf_name in checkpoint_names(name)]
-            # A copy either way: a tensor read as is would keep the file's memory map (and
-            # every page of it the process touched) resident for as long as it lives.
-            tensor = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            parts = [read(hf_name) for hf_name in checkpoint_names(name)]
+            # Always a fresh tensor (`cat` makes one, `copy=True` the other): a tensor read as
+            # is would keep the file's memory map (and every page of it the process touched)
+            # resident while it lives.
+            tensor = (
+                torch.cat([part.to(dtype) for part in parts])
+                if len(parts) > 1
+                else parts[0].to(device=device, dtype=dtype, copy=True)
+            )
             if tensor.shape != param.shape:
                 raise ValueError(
                     f"{folder}: tensor(s) {', '.join(checkpoint_names(name))} have shape "

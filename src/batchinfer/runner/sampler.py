@@ -120,6 +120,7 @@ class Sampler:
         targets = torch.minimum(uniforms.mul_(total), below_total)
         return torch.searchsorted(cdf, targets, right=True).squeeze(1)
 
+
 def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
     """Repetition (prompt + output), then frequency and presence (output) penalties, in place."""
     rows = [i for i, s in enumerate(sequences) if s.sampling_params.needs_penalties]
