@@ -49,6 +49,30 @@ def test_concurrent_submits_are_batched_and_results_keep_order() -> None:
     assert [len(c) for c in rec.calls] == [4, 4, 2]
 
 
+def test_sync_batches_run_off_the_loop_on_threads_that_end_with_them() -> None:
+    # A batch thread that outlived its batch would keep torch's OpenMP pool alive next to the
+    # generative engine's (see batcher._run_on_own_thread).
+    seen: list[threading.Thread] = []
+
+    def fn(items: list[object]) -> list[object]:
+        seen.append(threading.current_thread())
+        return items
+
+    async def main() -> list[object]:
+        async with DynamicBatcher(fn, max_batch_size=2, max_batch_delay_ms=1,
+                                  num_buckets=1, name="enc") as b:
+            first = await b.submit("a")
+            second = await b.submit("b")
+            return [first, second]
+
+    assert asyncio.run(main()) == ["a", "b"]
+    assert len(seen) == 2 and seen[0] is not seen[1]
+    assert all(t is not threading.main_thread() and t.name == "batcher-enc" for t in seen)
+    for t in seen:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in seen)
+
+
 def test_lone_item_waits_about_the_delay_not_longer() -> None:
     rec = Recorder()
 
