@@ -3,8 +3,9 @@
 Callers `await batcher.submit(item)`; a background task asks the pure `BatchQueue` what to run
 whenever a worker is free and sleeps until the next event (an arrival, a batch finishing, the
 next item becoming due, the next timeout). The model runs on a thread of its own per batch
-(sync callables; see `_run_on_own_thread`) or on the loop (async ones). A failing batch is bisected so that only its failing items get
-the error; results always go back to the item that asked.
+(sync callables; see `_run_on_own_thread`) or on the loop (async ones). A failing batch is
+bisected so that only its failing items get the error; results always go back to the item that
+asked.
 """
 
 from __future__ import annotations
@@ -323,7 +324,8 @@ async def _run_on_own_thread(fn: Callable[[Any], Any], arg: Any, name: str) -> A
     would keep one next to the generative engine's, and with more OpenMP threads than cores
     libgomp stops spinning between parallel regions: measured, `batchinfer serve` with
     `--embedding-model` generated 26-37 % slower after one embeddings request. A thread that
-    ends takes its OpenMP pool with it; starting one costs well under a millisecond per batch.
+    ends takes its OpenMP pool with it. Measured round trip of an empty call (start the thread,
+    run, hand back to the loop): ~0.3 ms median, per batch.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()

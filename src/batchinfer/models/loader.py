@@ -130,11 +130,11 @@ def load_weights(
 
         for name, param in model.named_parameters():
             parts = [read(hf_name) for hf_name in checkpoint_names(name)]
-            # Always a fresh tensor (`cat` makes one, `copy=True` the other): a tensor read as
-            # is would keep the file's memory map (and every page of it the process touched)
-            # resident while it lives.
+            # Always a fresh tensor on `device` (`cat` makes one, `copy=True` the other): a tensor
+            # read as is would keep the file's memory map (and every page of it the process
+            # touched) resident while it lives.
             tensor = (
-                torch.cat([part.to(dtype) for part in parts])
+                torch.cat([part.to(device=device, dtype=dtype) for part in parts])
                 if len(parts) > 1
                 else parts[0].to(device=device, dtype=dtype, copy=True)
             )
@@ -143,7 +143,7 @@ def load_weights(
                     f"{folder}: tensor(s) {', '.join(checkpoint_names(name))} have shape "
                     f"{tuple(tensor.shape)}, config.json implies {tuple(param.shape)}"
                 )
-            state[name] = tensor.to(device)
+            state[name] = tensor
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # the RoPE tables, built on CPU
     model.requires_grad_(False)
