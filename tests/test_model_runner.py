@@ -2,13 +2,15 @@
 
 A tiny stand-in model follows the runner's model contract (flat batch, explicit positions,
 attention through the runner's callable); a dense reference recomputes each sequence from
-scratch with plain causal attention, no cache.
+scratch with plain causal attention, no cache. The end-to-end tests run on every attention
+backend.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -17,11 +19,13 @@ from torch import nn
 
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput, TokenLogprobs
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.models import llama
 from batchinfer.runner.model_runner import AttentionFn, ModelRunner
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 48, 32, 4, 2, 8, 2
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
 CPU = torch.device("cpu")
+BACKENDS = ["sdpa", "gather", "cpu_sparse"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ def _dense_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out.transpose(0, 1)
 
 
-def dense_last_logits(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
+def dense_last_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
     ids = torch.tensor(token_ids)
     with torch.inference_mode():
         hidden = model(ids, torch.arange(len(ids)), _dense_attention)
@@ -139,8 +143,9 @@ class _Driver:
             if token is not None:
                 seq.token_ids.append(token)
                 seq.outputs.append(token)
-                if output.logprobs is not None and output.logprobs[i] is not None:
-                    seq.logprobs.append(output.logprobs[i])
+                entry = None if output.logprobs is None else output.logprobs[i]
+                if entry is not None:
+                    seq.logprobs.append(entry)
 
     def decode(self, request_ids: list[str], num_steps: int) -> None:
         for _ in range(num_steps):
@@ -152,8 +157,16 @@ def _model(seed: int = 0) -> ToyLM:
     return ToyLM().eval()
 
 
-def _runner(model: nn.Module, seed: int = 0, kv_dtype: torch.dtype = torch.float32) -> ModelRunner:
-    return ModelRunner(model, model.spec, NUM_BLOCKS, BLOCK_SIZE, CPU, kv_dtype, [0], seed)
+def _runner(
+    model: Any,
+    seed: int = 0,
+    kv_dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
+) -> ModelRunner:
+    return ModelRunner(
+        model, model.spec, NUM_BLOCKS, BLOCK_SIZE, CPU, kv_dtype, [0], seed,
+        attention_backend=attention_backend,
+    )
 
 
 PROMPT_A = [(7 * i + 3) % VOCAB for i in range(37)]
@@ -162,9 +175,11 @@ PROMPT_C = [11, 12, 13, 14, 15]
 GREEDY = SamplingParams(temperature=0.0, logprobs=5, max_tokens=64)
 
 
-def _run_a(model: nn.Module, schedule: str, params: SamplingParams = GREEDY) -> _Seq:
+def _run_a(
+    model: nn.Module, schedule: str, params: SamplingParams = GREEDY, backend: str = "auto"
+) -> _Seq:
     """Request 'a' alone in one prefill, in three chunks, or chunked among b and c."""
-    driver = _Driver(_runner(model), seed=len(schedule))
+    driver = _Driver(_runner(model, attention_backend=backend), seed=len(schedule))
     driver.add("a", PROMPT_A, params)
     if schedule == "whole":
         driver.step([("a", 37)])
@@ -185,9 +200,11 @@ def _run_a(model: nn.Module, schedule: str, params: SamplingParams = GREEDY) -> 
     return driver.seqs["a"]
 
 
-def test_prefill_equals_dense_reference() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_equals_dense_reference(backend: str) -> None:
     model = _model()
-    runner = _runner(model)
+    runner = _runner(model, attention_backend=backend)
+    assert runner.attention.name == backend and runner.num_blocks == NUM_BLOCKS
     # Blocks 9, 7, ..., 0 reversed: the context is read back through a non-trivial table.
     scheduled = SchedulerOutput(
         [
@@ -209,11 +226,12 @@ def test_prefill_equals_dense_reference() -> None:
     torch.testing.assert_close(logits[0], dense_last_logits(model, PROMPT_A), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("schedule", ["chunks", "interleaved"])
-def test_chunked_and_interleaved_match_whole_prefill(schedule: str) -> None:
+def test_chunked_and_interleaved_match_whole_prefill(schedule: str, backend: str) -> None:
     model = _model()
-    whole = _run_a(model, "whole")
-    other = _run_a(model, schedule)
+    whole = _run_a(model, "whole", backend=backend)
+    other = _run_a(model, schedule, backend=backend)
     assert len(whole.outputs) == 6
     assert other.outputs == whole.outputs
     for a, b in zip(whole.logprobs, other.logprobs, strict=True):
@@ -223,9 +241,10 @@ def test_chunked_and_interleaved_match_whole_prefill(schedule: str) -> None:
         )
 
 
-def test_greedy_generation_matches_dense_recompute() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_generation_matches_dense_recompute(backend: str) -> None:
     model = _model(1)
-    seq = _run_a(model, "interleaved")
+    seq = _run_a(model, "interleaved", backend=backend)
     tokens = list(PROMPT_A)
     for token, entry in zip(seq.outputs, seq.logprobs, strict=True):
         logits = dense_last_logits(model, tokens)
@@ -253,8 +272,8 @@ def test_non_final_chunks_sample_nothing() -> None:
     assert output.sampled_token_ids == []
 
 
-def test_real_llama_through_runner_matches_dense() -> None:
-    llama = pytest.importorskip("batchinfer.models.llama")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_real_llama_through_runner_matches_dense(backend: str) -> None:
     spec = llama.ModelSpec(
         architecture="LlamaForCausalLM",
         num_layers=2,
@@ -276,8 +295,8 @@ def test_real_llama_through_runner_matches_dense() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
-    whole = _run_a(model, "whole")
-    interleaved = _run_a(model, "interleaved")
+    whole = _run_a(model, "whole", backend=backend)
+    interleaved = _run_a(model, "interleaved", backend=backend)
     assert interleaved.outputs == whole.outputs
     tokens = list(PROMPT_A)
     for token, entry in zip(interleaved.outputs, interleaved.logprobs, strict=True):
@@ -287,9 +306,10 @@ def test_real_llama_through_runner_matches_dense() -> None:
         tokens.append(token)
 
 
-def test_bf16_kv_cache_with_fp32_model_stays_close() -> None:
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_bf16_kv_cache_with_fp32_model_stays_close(backend: str) -> None:
     model = _model()
-    driver = _Driver(_runner(model, kv_dtype=torch.bfloat16), seed=5)
+    driver = _Driver(_runner(model, kv_dtype=torch.bfloat16, attention_backend=backend), seed=5)
     driver.add("a", PROMPT_A, SamplingParams(temperature=0.0, logprobs=5))
     for size in (13, 24):
         driver.step([("a", size)])

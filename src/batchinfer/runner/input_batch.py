@@ -4,8 +4,10 @@ Every scheduled sequence contributes its tokens to ONE flat batch `[num_tokens]`
 and decodes mixed). The batch is reordered: single-token sequences ("decodes", which include a
 one-token prefill chunk) come first, sorted by context length, then the longer chunks in
 scheduler order. Token order does not matter to the model outside attention (every other op is
-per token and positions are explicit), and this order lets attention treat the decodes as one
-contiguous slice `[0, num_decodes)` split into a few groups of similar context length.
+per token and positions are explicit), and this order lets an attention backend treat the
+decodes as one contiguous slice `[0, num_decodes)` that it may split into groups of similar
+context length. How it groups them is the backend's choice (`runner/backends/`), not this
+module's: the metadata built here is the same for every backend.
 
 Everything is built as Python lists and turned into tensors with one `torch.tensor` call plus
 one host-to-device copy, because this runs on every step.
@@ -19,52 +21,37 @@ import torch
 
 from batchinfer.core.outputs import ScheduledSequence
 
-# A decode group is cut when padding it to its longest context would cost more than this many
-# times the blocks its sequences really use AND more than this many padding blocks: one more
-# group costs a gather + SDPA call per layer, which only pays off past a real amount of padding.
-MAX_DECODE_PADDING_RATIO = 1.5
-MAX_DECODE_PADDING_BLOCKS = 32
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    """Decodes `[start, end)` of the batch (rows of both tokens and sequences), padded together.
-
-    `block_tables` is `[end - start, num_blocks]`; `context_lens` is `[end - start]`.
-    """
-
-    start: int
-    end: int
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    """One multi-token chunk: tokens `[start, end)` at positions `[num_computed_tokens, ...)`.
-
-    `block_ids` covers the whole context `[0, num_computed_tokens + end - start)`.
-    """
-
-    start: int
-    end: int
-    num_computed_tokens: int
-    block_ids: torch.Tensor
-
-    @property
-    def context_len(self) -> int:
-        return self.num_computed_tokens + self.end - self.start
-
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """What paged attention needs for one step; built once, shared by every layer."""
+    """What attention needs of one step, the same for every backend; built once per step.
+
+    Sequences are in batch order. Sequence `i` owns batch rows
+    `[query_starts[i], query_starts[i + 1])`, at positions `[num_computed_tokens[i],
+    context_lens[i])`; its block table (the blocks of its whole context, no more) is
+    `block_ids[block_starts[i] : block_starts[i + 1]]`. The first `num_decodes` sequences have
+    one query each (so row `i` is sequence `i`) and are sorted by context length. The lists are
+    on the host, for decisions that must not wait for the device; the tensors are on the device.
+    """
 
     block_size: int
+    num_decodes: int
+    query_starts: list[int]  # [num_seqs + 1]
+    num_computed_tokens: list[int]  # [num_seqs]
+    context_lens: list[int]  # [num_seqs] num_computed_tokens + query length
+    block_starts: list[int]  # [num_seqs + 1]
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new k/v is written to
-    num_decode_tokens: int
-    decode_groups: list[DecodeGroup]
-    prefills: list[PrefillChunk]
+    block_ids: torch.Tensor  # [block_starts[-1]] every block table, concatenated
+    block_starts_tensor: torch.Tensor  # [num_seqs + 1] `block_starts` on the device
+    context_lens_tensor: torch.Tensor  # [num_seqs] `context_lens` on the device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def block_table(self, seq_index: int) -> torch.Tensor:
+        """Block ids of sequence `seq_index`'s context, `[ceil(context_len / block_size)]`."""
+        return self.block_ids[self.block_starts[seq_index] : self.block_starts[seq_index + 1]]
 
 
 @dataclass(slots=True)
@@ -80,41 +67,30 @@ class StepInputs:
 
 
 def prepare_inputs(
-    sequences: list[ScheduledSequence],
-    block_size: int,
-    device: torch.device,
-    group_decodes: bool = True,
-    max_decode_group_tokens: int | None = None,
+    sequences: list[ScheduledSequence], block_size: int, device: torch.device
 ) -> StepInputs:
-    """Build the flat batch: token ids, positions, slots, decode groups, prefill chunks.
-
-    `group_decodes=False` sends every sequence down the per-chunk path (one attention call per
-    sequence); it exists to measure and cross-check the grouped decode path.
-    `max_decode_group_tokens` caps a decode group's padded size (members x longest context);
-    None: no cap.
-    """
+    """Build the flat batch: token ids, positions, slots, block tables, in batch order."""
     if not sequences:
         raise ValueError("prepare_inputs needs at least one scheduled sequence")
     context_lens = [s.num_computed_tokens + s.num_tokens for s in sequences]
-    is_decode = [group_decodes and s.num_tokens == 1 for s in sequences]
     decode_order = sorted(
-        (i for i, d in enumerate(is_decode) if d), key=context_lens.__getitem__
+        (i for i, s in enumerate(sequences) if s.num_tokens == 1), key=context_lens.__getitem__
     )
-    prefill_order = [i for i, d in enumerate(is_decode) if not d]
-    order = decode_order + prefill_order
+    order = decode_order + [i for i, s in enumerate(sequences) if s.num_tokens != 1]
 
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_rows: list[int] = []
     sampled_seq_indices: list[int] = []
-    starts: list[int] = []
+    block_ids: list[int] = []
+    query_starts: list[int] = [0]
+    block_starts: list[int] = [0]
     for i in order:
         seq = sequences[i]
-        start = len(input_ids)
-        starts.append(start)
         first, end = seq.num_computed_tokens, context_lens[i]
-        if len(seq.block_table) * block_size < end:
+        num_blocks = -(-end // block_size)
+        if len(seq.block_table) < num_blocks:
             raise RuntimeError(
                 f"request {seq.request_id}: block table holds {len(seq.block_table)} blocks, "
                 f"too few for {end} tokens"
@@ -122,60 +98,41 @@ def prepare_inputs(
         input_ids.extend(seq.token_ids)
         positions.extend(range(first, end))
         _extend_slots(slots, seq.block_table, block_size, first, end)
+        block_ids.extend(seq.block_table[:num_blocks])
         if seq.sample:
-            logits_rows.append(start + seq.num_tokens - 1)
+            logits_rows.append(len(input_ids) - 1)
             sampled_seq_indices.append(i)
+        query_starts.append(len(input_ids))
+        block_starts.append(len(block_ids))
 
-    num_decodes = len(decode_order)
-    groups = _decode_groups(
-        [context_lens[i] for i in decode_order], block_size, max_decode_group_tokens
-    )
-    num_group_blocks = [-(-context_lens[decode_order[end - 1]] // block_size) for _, end in groups]
+    ordered_context_lens = [context_lens[i] for i in order]
     # Every int64 of the step goes through one tensor and one copy to the device.
-    flat: list[int] = input_ids + positions + slots + logits_rows
-    for (g_start, g_end), num_blocks in zip(groups, num_group_blocks, strict=True):
-        for i in decode_order[g_start:g_end]:
-            flat.extend(sequences[i].block_table[:num_blocks])
-            flat.extend([0] * (num_blocks - len(sequences[i].block_table)))  # padding, masked
-        flat.extend(context_lens[i] for i in decode_order[g_start:g_end])
-    for i in prefill_order:
-        flat.extend(sequences[i].block_table[: -(-context_lens[i] // block_size)])
+    flat = input_ids + positions + slots + logits_rows + block_ids
+    flat += block_starts + ordered_context_lens
     data = torch.tensor(flat, dtype=torch.int64)
     if device.type == "cuda":
         data = data.pin_memory()
     data = data.to(device, non_blocking=True)
 
-    num_tokens = len(input_ids)
-    offset = 3 * num_tokens + len(logits_rows)
-    decode_groups = []
-    for (g_start, g_end), num_blocks in zip(groups, num_group_blocks, strict=True):
-        n = g_end - g_start
-        tables = data[offset : offset + n * num_blocks].view(n, num_blocks)
-        offset += n * num_blocks
-        decode_groups.append(DecodeGroup(g_start, g_end, tables, data[offset : offset + n]))
-        offset += n
-    prefills = []
-    for rank, i in enumerate(prefill_order, start=num_decodes):
-        num_blocks = -(-context_lens[i] // block_size)
-        seq = sequences[i]
-        start = starts[rank]
-        block_ids = data[offset : offset + num_blocks]
-        offset += num_blocks
-        prefills.append(
-            PrefillChunk(start, start + seq.num_tokens, seq.num_computed_tokens, block_ids)
-        )
+    num_tokens, num_sampled, num_seqs = len(input_ids), len(logits_rows), len(order)
+    offset = 3 * num_tokens + num_sampled
     metadata = AttentionMetadata(
         block_size=block_size,
+        num_decodes=len(decode_order),
+        query_starts=query_starts,
+        num_computed_tokens=[sequences[i].num_computed_tokens for i in order],
+        context_lens=ordered_context_lens,
+        block_starts=block_starts,
         slot_mapping=data[2 * num_tokens : 3 * num_tokens],
-        num_decode_tokens=num_decodes,
-        decode_groups=decode_groups,
-        prefills=prefills,
+        block_ids=data[offset : offset + len(block_ids)],
+        block_starts_tensor=data[offset + len(block_ids) : offset + len(block_ids) + num_seqs + 1],
+        context_lens_tensor=data[len(data) - num_seqs :],
     )
     return StepInputs(
         input_ids=data[:num_tokens],
         positions=data[num_tokens : 2 * num_tokens],
         attention=metadata,
-        logits_indices=data[3 * num_tokens : 3 * num_tokens + len(logits_rows)],
+        logits_indices=data[3 * num_tokens : offset],
         sampled_seq_indices=sampled_seq_indices,
     )
 
@@ -191,35 +148,3 @@ def _extend_slots(
         base = block_table[block_index] * block_size + offset
         slots.extend(range(base, base + run))
         pos += run
-
-
-def _decode_groups(
-    sorted_context_lens: list[int], block_size: int, max_group_tokens: int | None = None
-) -> list[tuple[int, int]]:
-    """Split decodes (sorted by context length) into `[start, end)` groups of similar length.
-
-    A group grows while padding all of its members to the newest (longest) one stays within
-    `MAX_DECODE_PADDING_RATIO` of the blocks they really use (or within
-    `MAX_DECODE_PADDING_BLOCKS`), so one very long context does not make every short one gather
-    (and attend over) its length; and while its padded size (members x longest context) stays
-    within `max_group_tokens` (the attention backend's choice: see
-    `attention.max_decode_group_tokens`).
-    """
-    max_group_blocks = None if max_group_tokens is None else max_group_tokens // block_size
-    groups: list[tuple[int, int]] = []
-    start, used_blocks = 0, 0
-    for i, context_len in enumerate(sorted_context_lens):
-        num_blocks = -(-context_len // block_size)
-        padded = (i - start + 1) * num_blocks
-        used = used_blocks + num_blocks
-        too_padded = (
-            padded > MAX_DECODE_PADDING_RATIO * used and padded - used > MAX_DECODE_PADDING_BLOCKS
-        )
-        too_big = max_group_blocks is not None and padded > max_group_blocks
-        if i > start and (too_padded or too_big):
-            groups.append((start, i))
-            start, used_blocks = i, 0
-        used_blocks += num_blocks
-    if sorted_context_lens:
-        groups.append((start, len(sorted_context_lens)))
-    return groups

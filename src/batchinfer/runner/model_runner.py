@@ -1,8 +1,10 @@
 """ModelRunner: one `SchedulerOutput` in, one `ModelRunnerOutput` out.
 
-It owns the KV cache tensor, builds the step's flat batch and `PagedAttention`, runs the model,
-computes logits only for the rows that sample (the last token of each sequence whose chunk ends
-its known tokens), and samples. It keeps no per-request state, so preemption and abort need
+It owns the attention backend (chosen at start-up by `attention_backend`, see `attention.py`),
+which owns the KV cache. Per step it builds the flat batch, has the backend `build` the step's
+attention once, runs the model with the backend as its attention callable, computes logits only
+for the rows that sample (the last token of each sequence whose chunk ends its known tokens),
+and samples. It keeps no per-request state, so preemption and abort need
 nothing from it; `finished_request_ids` is accepted and ignored.
 """
 
@@ -14,9 +16,9 @@ from typing import Protocol
 import torch
 
 from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from batchinfer.runner.attention import PagedAttention, max_decode_group_tokens
+from batchinfer.runner.attention import select_attention_backend
 from batchinfer.runner.input_batch import prepare_inputs
-from batchinfer.runner.kv_cache import KVCacheSpec, allocate_kv_cache
+from batchinfer.runner.kv_cache import KVCacheSpec
 from batchinfer.runner.sampler import Sampler
 
 # (layer_idx, q [tokens, heads, d], k [tokens, kv_heads, d], v) -> [tokens, heads, d]
@@ -37,7 +39,9 @@ class ModelRunner:
     """Runs scheduled steps of `model` over a paged KV cache of `num_blocks` blocks.
 
     `kv_dtype` is the cache element type (see `kv_cache.resolve_kv_dtype`); `eos_token_ids` are
-    masked while a sequence is short of `min_tokens`; `seed` seeds unseeded random sampling.
+    masked while a sequence is short of `min_tokens`; `seed` seeds unseeded random sampling;
+    `attention_backend` names the attention backend (`auto`, `sdpa`, `gather`, `cpu_sparse`;
+    see `attention.py`).
     """
 
     def __init__(
@@ -50,21 +54,22 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         eos_token_ids: Sequence[int],
         seed: int,
+        *,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, kv_dtype, self.device)
+        self.num_blocks = num_blocks
+        self.attention = select_attention_backend(self.device, kv_dtype, attention_backend)
+        self.attention.allocate_kv_cache(spec, num_blocks, block_size)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
-        self.max_decode_group_tokens = max_decode_group_tokens(
-            spec.num_kv_heads, spec.head_dim, kv_dtype, self.device
-        )
-        self._workspace: torch.Tensor | None = None
 
     @property
-    def num_blocks(self) -> int:
-        return self.kv_cache.shape[2]
+    def kv_cache(self) -> torch.Tensor:
+        """The cache tensor, in the attention backend's own layout."""
+        return self.attention.kv_cache
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; outputs are aligned with `scheduler_output.sequences`."""
@@ -92,15 +97,9 @@ class ModelRunner:
         Returns float32 logits `[num_sampled, vocab]` and, for each row, the index of its
         sequence in `scheduler_output.sequences`. Call under `torch.inference_mode()`.
         """
-        inputs = prepare_inputs(
-            scheduler_output.sequences,
-            self.block_size,
-            self.device,
-            max_decode_group_tokens=self.max_decode_group_tokens,
-        )
-        attention = PagedAttention(self.kv_cache, inputs.attention, self._workspace)
-        self._workspace = attention.workspace
-        hidden = self.model(inputs.input_ids, inputs.positions, attention)
+        inputs = prepare_inputs(scheduler_output.sequences, self.block_size, self.device)
+        self.attention.build(inputs.attention)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.attention)
         if not inputs.sampled_seq_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32), []
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()

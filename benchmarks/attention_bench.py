@@ -1,7 +1,10 @@
-"""Time one layer of paged attention: per-sequence SDPA vs grouped decodes.
+"""Time one layer of paged attention, every attention backend side by side.
 
-Run `python -m batchinfer.runner.attention_bench [--decodes 64] [--context 300] [--threads N]`.
-The default shape is SmolLM2-135M's attention (9 heads, 3 KV heads, head_dim 64), block size 16.
+    .venv/bin/python benchmarks/attention_bench.py [--decodes 64] [--context 300] [--threads N]
+
+The default shape is SmolLM2-135M's attention (9 heads, 3 KV heads, head_dim 64), block size
+16: `--decodes` decodes with contexts `--context` +- 20 % over shuffled blocks. `cpu_sparse`
+runs only on float32 caches. Figures are in docs/architecture.md ("Attention backends").
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import torch
 
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.sampling_params import SamplingParams
-from batchinfer.runner.attention import PagedAttention, max_decode_group_tokens
+from batchinfer.runner.attention import select_attention_backend
+from batchinfer.runner.backends.cpu_sparse import supports_cpu_sparse
 from batchinfer.runner.input_batch import prepare_inputs
-from batchinfer.runner.kv_cache import allocate_kv_cache
+
+BACKENDS = ("sdpa", "gather", "cpu_sparse")
 
 
 class _Spec:
@@ -45,17 +50,17 @@ def _decode_batch(
 
 
 def time_attention(
+    backend_name: str,
     num_decodes: int,
     context: int,
     dtype: torch.dtype,
-    group_decodes: bool,
     num_heads: int = 9,
     num_kv_heads: int = 3,
     head_dim: int = 64,
     block_size: int = 16,
     repeats: int = 30,
 ) -> float:
-    """Fastest of `repeats` attention calls, in seconds (inputs prepared outside the timing).
+    """Fastest of `repeats` attention calls, in seconds (the step is built outside the timing).
 
     The minimum, not the median: on a shared machine the median mostly measures the neighbours.
     With one torch thread the clock is the thread's CPU time (immune to being descheduled);
@@ -65,37 +70,39 @@ def time_attention(
     spread = max(1, context // 5)
     num_blocks = num_decodes * (-(-(context + spread) // block_size)) + 1
     cpu = torch.device("cpu")
-    cache = allocate_kv_cache(_Spec(num_kv_heads, head_dim), num_blocks, block_size, dtype, cpu)
-    cache.normal_()
+    backend = select_attention_backend(cpu, dtype, backend_name)
+    backend.allocate_kv_cache(_Spec(num_kv_heads, head_dim), num_blocks, block_size)
+    backend.kv_cache.normal_()
     sequences = _decode_batch(num_decodes, context, spread, block_size, num_blocks)
-    max_group_tokens = max_decode_group_tokens(num_kv_heads, head_dim, dtype, cpu)
-    inputs = prepare_inputs(sequences, block_size, cpu, group_decodes, max_group_tokens)
+    inputs = prepare_inputs(sequences, block_size, cpu)
     q = torch.randn(num_decodes, num_heads, head_dim).to(dtype)
     k = torch.randn(num_decodes, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(num_decodes, num_kv_heads, head_dim).to(dtype)
-    attention = PagedAttention(cache, inputs.attention)
     times = []
     with torch.inference_mode():
+        backend.build(inputs.attention)
         for _ in range(repeats + 3):
             start = clock()
-            attention(0, q, k, v)
+            backend(0, q, k, v)
             times.append(clock() - start)
     return min(times[3:])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--decodes", type=int, default=64)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16):
-        for group_decodes in (False, True):
-            seconds = time_attention(args.decodes, args.context, dtype, group_decodes)
-            label = "grouped decodes" if group_decodes else "per-sequence   "
-            print(f"{str(dtype):15} {label} {seconds * 1e3:7.3f} ms")
+        for name in BACKENDS:
+            if name == "cpu_sparse" and not supports_cpu_sparse(cpu, dtype):
+                continue
+            seconds = time_attention(name, args.decodes, args.context, dtype)
+            print(f"{str(dtype):15} {name:11} {seconds * 1e3:7.3f} ms")
 
 
 if __name__ == "__main__":
