@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -176,24 +177,27 @@ async def _stream(
 @contextlib.contextmanager
 def run_fake_server(config: FakeServerConfig | None = None) -> Iterator[str]:
     """Serve the fake app on 127.0.0.1 and a free port in a thread; yield its base URL."""
+    with serve_in_thread(make_app(config or FakeServerConfig()), lifespan="off") as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, **uvicorn_options: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 and a free port in a thread; yield its base URL
+    once it accepts connections, stop it on exit."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(
-            make_app(config or FakeServerConfig()),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-        )
+        uvicorn.Config(app, log_level="warning", access_log=False, **uvicorn_options)
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
+    deadline = time.monotonic() + 30
+    while not server.started:  # polled: a thread's progress has no event to await
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("fake server did not start")
+            raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"

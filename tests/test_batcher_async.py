@@ -18,23 +18,54 @@ from batchinfer.batching import (
     batch,
     batched_map,
 )
+from tests.waiting import until
 
 
 class Recorder:
     """A batch function that records its calls; `poison` items make a whole call raise."""
 
-    def __init__(self, delay_s: float = 0.0, poison: object = "poison") -> None:
+    def __init__(self, poison: object = "poison") -> None:
         self.calls: list[list[object]] = []
-        self.delay_s = delay_s
         self.poison = poison
 
     def __call__(self, items: list[object]) -> list[object]:
         self.calls.append(list(items))
-        if self.delay_s:
-            time.sleep(self.delay_s)
         if self.poison in items:
             raise RuntimeError("poisoned batch")
         return [f"r({x})" for x in items]
+
+
+class FakeClock:
+    """The batcher's clock, moved by the test: items fall due or expire when it says so."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class Gate:
+    """A sync batch function (it runs on a batch thread) that blocks until `release()`.
+
+    `await gate.entered()` returns once a batch is inside, so the test knows what runs."""
+
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+        self._inside = threading.Event()
+        self._open = threading.Event()
+
+    def __call__(self, items: list[object]) -> list[object]:
+        self.seen.extend(items)
+        self._inside.set()
+        self._open.wait(10)
+        return items
+
+    async def entered(self) -> None:
+        assert await asyncio.to_thread(self._inside.wait, 10), "no batch started"
+
+    def release(self) -> None:
+        self._open.set()
 
 
 def test_concurrent_submits_are_batched_and_results_keep_order() -> None:
@@ -125,24 +156,20 @@ def test_wrong_result_count_is_an_error_for_the_items() -> None:
 
 def test_overload_raises_with_retry_after_and_counts() -> None:
     registry = CollectorRegistry()
-    gate = threading.Event()
-
-    def slow(items: list[int]) -> list[int]:
-        gate.wait(5)
-        return items
+    gate = Gate()
 
     async def main() -> tuple[list[object], OverloadedError]:
-        b = DynamicBatcher(slow, max_batch_size=1, max_batch_delay_ms=0, max_queue_size=2,
+        b = DynamicBatcher(gate, max_batch_size=1, max_batch_delay_ms=0, max_queue_size=2,
                            metrics=BatcherMetrics(registry), name="t")
         running = asyncio.ensure_future(b.submit(0))  # occupies the worker
-        await asyncio.sleep(0.02)
+        await gate.entered()
         waiting = [asyncio.ensure_future(b.submit(i)) for i in (1, 2)]
-        await asyncio.sleep(0.01)
+        await until(lambda: b.num_waiting == 2)
         with pytest.raises(OverloadedError) as info:
             await b.submit(3)
         with pytest.raises(OverloadedError):
             await b.submit_many([4])
-        gate.set()
+        gate.release()
         results = await asyncio.gather(running, *waiting)
         await b.close()
         return results, info.value
@@ -154,43 +181,96 @@ def test_overload_raises_with_retry_after_and_counts() -> None:
 
 
 def test_expired_items_fail_and_never_run() -> None:
-    gate = threading.Event()
-    seen: list[int] = []
-
-    def slow(items: list[int]) -> list[int]:
-        seen.extend(items)
-        gate.wait(5)
-        return items
+    gate, clock = Gate(), FakeClock()
 
     async def main() -> list[object]:
-        async with DynamicBatcher(slow, max_batch_size=1, max_batch_delay_ms=0) as b:
+        async with DynamicBatcher(gate, max_batch_size=1, max_batch_delay_ms=0,
+                                  clock=clock) as b:
             first = asyncio.ensure_future(b.submit(1))
-            await asyncio.sleep(0.02)
+            await gate.entered()
             late = asyncio.ensure_future(b.submit(2, timeout_ms=20))
-            await asyncio.sleep(0.1)  # 2 expires while 1 still runs
-            gate.set()
-            return await asyncio.gather(first, late, return_exceptions=True)
+            await until(lambda: b.num_waiting == 1)
+            clock.now_s = 1.0  # 2's deadline (0.02 s) passes while 1 still runs
+            late_result = await asyncio.gather(late, return_exceptions=True)
+            gate.release()
+            return [await first, *late_result]
 
     first, late = asyncio.run(main())
     assert first == 1 and isinstance(late, ItemTimeoutError)
-    assert seen == [1]
+    assert gate.seen == [1]
 
 
 def test_cancelled_waiting_item_never_runs() -> None:
     rec = Recorder()
 
+    clock = FakeClock()
+
     async def main() -> list[object]:
-        async with DynamicBatcher(rec, max_batch_size=8, max_batch_delay_ms=50) as b:
+        async with DynamicBatcher(rec, max_batch_size=8, max_batch_delay_ms=50,
+                                  clock=clock) as b:
             keep = asyncio.ensure_future(b.submit("keep"))
             drop = asyncio.ensure_future(b.submit("drop"))
-            await asyncio.sleep(0.01)
+            await until(lambda: b.num_waiting == 2)  # neither is due: the clock stands still
             drop.cancel()
-            await asyncio.sleep(0)
-            assert b.num_waiting == 1
+            await until(lambda: b.num_waiting == 1)
+            assert rec.calls == []
+            clock.now_s = 1.0  # "keep" is due
             return [await keep]
 
     assert asyncio.run(main()) == ["r(keep)"]
     assert rec.calls == [["keep"]]
+
+
+@pytest.mark.parametrize("max_concurrent_batches", [1, 2])
+def test_a_burst_runs_at_most_max_concurrent_batches_at_once(max_concurrent_batches: int) -> None:
+    # 16 items at once are 4 full batches, all ready in the same pass of the dispatch loop.
+    async def main() -> tuple[list[int], int, list[int]]:
+        entered, release = asyncio.Event(), asyncio.Event()
+        running, most_running, sizes = 0, 0, []
+
+        async def held(items: list[int]) -> list[int]:
+            nonlocal running, most_running
+            running += 1
+            most_running = max(most_running, running)
+            sizes.append(len(items))
+            entered.set()
+            await release.wait()  # every batch started in this pass runs before the test resumes
+            running -= 1
+            return items
+
+        async with DynamicBatcher(held, max_batch_size=4, max_batch_delay_ms=0, num_buckets=1,
+                                  max_concurrent_batches=max_concurrent_batches) as b:
+            results = asyncio.gather(*(b.submit(i) for i in range(16)))
+            await entered.wait()
+            release.set()
+            return await results, most_running, sizes
+
+    results, most_running, sizes = asyncio.run(main())
+    assert results == list(range(16)) and sizes == [4, 4, 4, 4]
+    assert most_running == max_concurrent_batches
+
+
+def test_a_batch_that_dies_fails_only_its_items_and_frees_its_slot() -> None:
+    class Abort(BaseException):
+        """Not an `Exception`: failure isolation does not catch it; the batch task dies."""
+
+    async def fragile(items: list[str]) -> list[str]:
+        if "cancel" in items:
+            raise asyncio.CancelledError  # the batch task ends cancelled
+        if "abort" in items:
+            raise Abort
+        return items
+
+    async def main() -> list[object]:
+        async with DynamicBatcher(fragile, max_batch_size=1, max_batch_delay_ms=0,
+                                  max_concurrent_batches=1) as b:
+            return await asyncio.gather(*(b.submit(x) for x in ("cancel", "abort", "ok")),
+                                        return_exceptions=True)
+
+    cancelled, aborted, ok = asyncio.run(main())
+    assert isinstance(cancelled, BatcherClosedError) and "cancelled" in str(cancelled)
+    assert isinstance(aborted, BatcherClosedError) and "Abort" in str(aborted)
+    assert ok == "ok"  # ran after both: each dead batch gave its slot back
 
 
 def test_submit_many_keeps_order_and_reports_first_error() -> None:
@@ -211,7 +291,7 @@ def test_close_without_drain_fails_waiting_items() -> None:
     async def main() -> object:
         b = DynamicBatcher(Recorder(), max_batch_delay_ms=10_000)
         pending = asyncio.ensure_future(b.submit("x"))
-        await asyncio.sleep(0.01)
+        await until(lambda: b.num_waiting == 1)
         await b.close(drain=False)
         with pytest.raises(BatcherClosedError):
             await b.submit("y")

@@ -9,6 +9,7 @@ import pytest
 
 from batchinfer.bench.scrape import MetricsScraper, ServerSample, parse_metrics, summarize_server
 from tests.fake_openai_server import FakeServerConfig, run_fake_server
+from tests.waiting import until
 
 BATCHINFER_TEXT = """\
 # HELP batchinfer_num_requests_running Requests in the running batch.
@@ -85,7 +86,7 @@ def test_scraper_reads_fake_server(vllm_names: bool) -> None:
     async def scrape(base_url: str) -> list[ServerSample]:
         scraper = MetricsScraper(base_url, interval_s=0.05)
         scraper.start()
-        await asyncio.sleep(0.3)
+        await until(lambda: len(scraper.samples) >= 2, what="two scrapes")
         await scraper.stop()
         return scraper.samples
 
@@ -101,7 +102,7 @@ def test_scraper_without_metrics_route_gives_up() -> None:
     async def scrape(base_url: str) -> MetricsScraper:
         scraper = MetricsScraper(base_url, interval_s=0.05)
         scraper.start()
-        await asyncio.sleep(0.2)
+        await until(lambda: not scraper.available, what="the scraper giving up")
         await scraper.stop()
         return scraper
 

@@ -12,12 +12,12 @@ import pytest
 
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.sweep import (
-    ServerConfig,
     SweepConfig,
+    SweepServer,
     running_server,
-    server_configs,
     static_form_warnings,
     stop_process,
+    sweep_servers,
 )
 from batchinfer.cli.main import main
 
@@ -29,20 +29,20 @@ def test_configurations_vary_only_the_flags_that_apply() -> None:
                         batching=("static", "dynamic", "continuous"),
                         max_batch_size=(8, 16), max_batch_delay_ms=(2.0,), max_num_seqs=(32,),
                         server_args=("--device", "cpu"))
-    configs = server_configs(sweep)
-    assert [c.label for c in configs] == [
+    servers = sweep_servers(sweep)
+    assert [s.label for s in servers] == [
         "static-seqs32-bs8", "static-seqs32-bs16", "dynamic-seqs32-bs8-delay2",
         "dynamic-seqs32-bs16-delay2", "continuous-seqs32"]
-    assert configs[2].flags == ("--model", "tiny", "--max-num-seqs", "32", "--max-batch-size",
+    assert servers[2].flags == ("--model", "tiny", "--max-num-seqs", "32", "--max-batch-size",
                                 "8", "--max-batch-delay-ms", "2", "--device", "cpu")
-    assert configs[4].batching == "continuous"
+    assert servers[4].batching == "continuous"
 
 
 def test_static_form_warnings() -> None:
     bench = BenchConfig(num_prompts=20, num_warmups=8, max_concurrency=4)
     sweep = SweepConfig(bench=bench, result_dir="x", batching=("static", "continuous"),
                         max_batch_size=(8,))
-    static, continuous = server_configs(sweep)
+    static, continuous = sweep_servers(sweep)
     warnings = static_form_warnings(sweep, static)
     assert len(warnings) == 2
     assert "never fills" in warnings[0] and "--num-prompts 20" in warnings[1]
@@ -82,7 +82,7 @@ def test_server_that_dies_at_start_is_a_one_line_error(tmp_path: Path) -> None:
     sweep = SweepConfig(bench=BenchConfig(), result_dir=str(tmp_path),
                         server_cmd=(sys.executable, "-c", "print('no model here'); exit(3)"))
     with pytest.raises(ValueError, match="exited with code 3.*no model here"), \
-            running_server(ServerConfig("static", "static"), sweep, tmp_path / "s.log"):
+            running_server(SweepServer("static", "static"), sweep, tmp_path / "s.log"):
         pass
 
 
@@ -98,7 +98,6 @@ def test_stop_kills_a_server_that_ignores_sigterm() -> None:
 
 @pytest.mark.slow
 def test_tiny_sweep_against_the_real_server(tmp_path: Path) -> None:
-    pytest.importorskip("batchinfer.cli.serve")
     # Batches of 2 divide both the 2 warm-ups and the 8 prompts: a static server runs only
     # full batches, and would hold a partial one until the request timeout.
     rc = main(["bench", "sweep", "--batching", "static,dynamic,continuous",

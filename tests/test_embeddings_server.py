@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
@@ -21,14 +18,10 @@ from pydantic import BaseModel
 from batchinfer.batching import BatcherConfig, EmbeddingConfig, EmbeddingService
 from batchinfer.server.embeddings import build_embeddings_app
 from batchinfer.server.errors import APIError, install_error_handlers
+from tests.fake_openai_server import serve_in_thread
+from tests.waiting import until
 
 MODEL = "all-MiniLM-L6-v2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +31,8 @@ def live() -> Iterator[tuple[str, EmbeddingService]]:
         EmbeddingConfig(dtype="float32", device="cpu", max_client_batch_size=8),
         BatcherConfig(max_batch_size=16, max_batch_delay_ms=2, max_batch_tokens=8192),
         registry=registry)
-    app = build_embeddings_app(service, registry)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", service
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(build_embeddings_app(service, registry)) as base_url:
+        yield base_url, service
 
 
 def test_openai_client_float_base64_and_token_ids(live: tuple[str, EmbeddingService]) -> None:
@@ -142,12 +122,14 @@ def test_truncate_and_malformed_json(live: tuple[str, EmbeddingService]) -> None
 
 
 class GatedEncoder:
-    """Stands in for `Encoder`: 4-dim vectors, blocks in `encode_ids` until released."""
+    """Stands in for `Encoder`: 4-dim vectors, blocks in `encode_ids` until `gate` is set;
+    `inside` is set once a batch is in."""
 
     name, dim, max_length = "gated", 4, 64
 
     def __init__(self) -> None:
         self.gate = threading.Event()
+        self.inside = threading.Event()
 
     def tokenize(self, texts: list[str], *, truncate: bool = False) -> list[list[int]]:
         return [[1] * len(t) for t in texts]
@@ -158,6 +140,7 @@ class GatedEncoder:
     def encode_ids(self, batch: list[list[int]]):  # noqa: ANN201
         import torch
 
+        self.inside.set()
         self.gate.wait(10)
         return torch.tensor([[float(len(ids)), 0, 0, 0] for ids in batch])
 
@@ -175,10 +158,11 @@ def test_overload_gives_429_with_retry_after() -> None:
             too_big = await client.post("/v1/embeddings", json={"input": ["a", "b", "c"]})
             assert too_big.status_code == 400  # can never fit a 2-item queue: not a 429
             first = asyncio.ensure_future(client.post("/v1/embeddings", json={"input": "a"}))
-            await asyncio.sleep(0.1)  # "a" runs (blocked); the queue is empty again
+            # "a" runs (blocked); the queue is empty again
+            assert await asyncio.to_thread(encoder.inside.wait, 10)
             second = asyncio.ensure_future(client.post("/v1/embeddings",
                                                        json={"input": ["bb", "ccc"]}))
-            await asyncio.sleep(0.1)  # two items wait: the queue is full
+            await until(lambda: service.batcher.num_waiting == 2, what="a full queue")
             rejected = await client.post("/v1/embeddings", json={"input": "dddd"})
             encoder.gate.set()
             accepted = await asyncio.gather(first, second)

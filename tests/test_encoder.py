@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchinfer.models.encoder import Encoder, PoolingConfig, choose_dtype, default_encoder_path
+from batchinfer.models.encoder import Encoder, PoolingConfig, default_encoder_path
 
 TEXTS = [
     "A man is eating food.",
@@ -81,14 +81,6 @@ def test_too_long_input_needs_truncate(encoder: Encoder, reference: torch.Tensor
 def test_encode_keeps_input_order(encoder: Encoder, reference: torch.Tensor) -> None:
     out = encoder.encode(TEXTS, batch_size=2)
     assert cosine(out, reference).min() >= 0.9999
-
-
-def test_dtype_choice() -> None:
-    assert choose_dtype("float32", torch.device("cpu")) == torch.float32
-    assert choose_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    assert choose_dtype("auto", torch.device("cpu")) in (torch.float32, torch.bfloat16)
-    with pytest.raises(ValueError, match="dtype"):
-        choose_dtype("int3", torch.device("cpu"))
 
 
 def test_bad_model_argument() -> None:

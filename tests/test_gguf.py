@@ -220,7 +220,8 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
         assert torch.equal(gguf_module.unpermute_rows(permuted, num_heads), weight)
 
 
-# The embedded SmolLM2-135M-Instruct (Q4_1). Converting it takes ~20-40 s on a small CPU box.
+# The embedded SmolLM2-135M-Instruct (Q4_1). Converting it takes 15-40 s on a small CPU box, so
+# every test of it is `slow` (`make test-slow`); the tiny GGUFs above cover conversion quickly.
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,7 @@ def default_model(tmp_path_factory: pytest.TempPathFactory):
     return load_model("default", torch.float32, "cpu", cache_dir=cache_dir)
 
 
+@pytest.mark.slow
 def test_default_model_converts(default_model) -> None:
     spec = default_model.spec
     assert default_model.name == "SmolLM2-135M-Instruct"
@@ -260,6 +262,7 @@ def test_default_model_matches_transformers_gguf_loader(default_model) -> None:
         assert default_model.tokenizer(text).input_ids == tokenizer(text).input_ids
 
 
+@pytest.mark.slow
 def test_default_model_greedy_decode_matches_transformers(default_model) -> None:
     """The engine (paged KV cache, continuous batching, three prompts in one batch) against
     Hugging Face `generate` one prompt at a time, on the converted embedded model."""

@@ -11,10 +11,15 @@ from batchinfer.models.prepack import PackedLinear, prepack_linears, prepack_sup
 from tests.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import make_tiny_llama
 
-pytestmark = pytest.mark.skipif(
-    not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
-)
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def test_prepack_applies_to_cpu_float32_only() -> None:
+    # Fails (rather than skipping the file) on a torch without oneDNN: the engine and the
+    # encoder would then silently run every CPU float32 model dense.
+    assert prepack_supported(torch.device("cpu"), torch.float32)
+    assert not prepack_supported(torch.device("cpu"), torch.bfloat16)
+    assert not prepack_supported(torch.device("cuda"), torch.float32)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -46,13 +51,13 @@ def test_engine_packs_its_model_and_greedy_tokens_stay_hugging_faces(tmp_path, t
     model_dir = make_tiny_llama(tmp_path, tie_word_embeddings=tied)
     packed = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20)
     dense = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20, prepack_weights=False)
-    net = packed.engine.loaded.model
+    net = packed.engine.worker.loaded.model
     assert isinstance(net.lm_head, PackedLinear)
     assert isinstance(net.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(net.layers[1].mlp.down_proj, PackedLinear)
-    assert isinstance(dense.engine.loaded.model.layers[0].mlp.gate_up_proj, nn.Linear)
-    assert (dense.engine.loaded.model.lm_head is None) == tied
-    prompts = random_prompts(6, packed.engine.spec.vocab_size, seed=5, high=60)
+    assert isinstance(dense.engine.worker.loaded.model.layers[0].mlp.gate_up_proj, nn.Linear)
+    assert (dense.engine.worker.loaded.model.lm_head is None) == tied
+    prompts = random_prompts(6, packed.engine.worker.vocab_size, seed=5, high=60)
     ours = [o.outputs[0].token_ids for o in packed.generate(prompts, GREEDY, use_tqdm=False)]
     assert ours == [o.outputs[0].token_ids for o in dense.generate(prompts, GREEDY, use_tqdm=False)]
     assert ours == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
@@ -61,7 +66,7 @@ def test_engine_packs_its_model_and_greedy_tokens_stay_hugging_faces(tmp_path, t
 def test_other_dtypes_keep_dense_weights_and_the_knob_is_validated(tmp_path):
     model_dir = make_tiny_llama(tmp_path)
     bf16 = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=32 << 20)
-    assert isinstance(bf16.engine.loaded.model.layers[0].self_attn.o_proj, nn.Linear)
+    assert isinstance(bf16.engine.worker.loaded.model.layers[0].self_attn.o_proj, nn.Linear)
     with pytest.raises(ValueError, match="prepack_weights"):
         LLM(str(model_dir), prepack_weights="yes")
 

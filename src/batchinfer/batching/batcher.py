@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import threading
@@ -236,22 +237,31 @@ class DynamicBatcher(Generic[T, R]):
             m.dispatches.labels(name, dispatch.reason.value).inc()
             for item in dispatch.items:
                 m.queue_time.labels(name, item.lane).observe(now - item.arrival_s)
+        # The slot is taken here, before the task runs: `_run` dispatches several batches in one
+        # pass, and counting inside the task would let all of them past max_concurrent_batches.
+        self._num_running += 1
         task = asyncio.get_running_loop().create_task(self._run_batch(dispatch))
         self._batch_tasks.add(task)
-        task.add_done_callback(self._batch_tasks.discard)
+        task.add_done_callback(functools.partial(self._batch_done, dispatch))
+
+    def _batch_done(self, dispatch: Dispatch, task: asyncio.Task[None]) -> None:
+        """Give back the slot `_start` took, however the batch ended (a task cancelled before
+        its first step never runs its own `finally`); fail the items it left unanswered."""
+        self._batch_tasks.discard(task)
+        self._num_running -= 1
+        self._wakeup.set()
+        if task.cancelled():
+            message = "batch aborted: cancelled"
+        elif (exc := task.exception()) is not None:
+            message = f"batch aborted: {exc!r}"
+        else:
+            return
+        for item in dispatch.items:
+            self._fail(item, BatcherClosedError(message))
 
     async def _run_batch(self, dispatch: Dispatch) -> None:
-        self._num_running += 1
         start_s = self._clock()
-        try:
-            outcomes = await self._call_isolated(list(dispatch.items))
-        except BaseException as exc:
-            for item in dispatch.items:
-                self._fail(item, BatcherClosedError(f"batch aborted: {exc!r}"))
-            raise
-        finally:
-            self._num_running -= 1
-            self._wakeup.set()
+        outcomes = await self._call_isolated(list(dispatch.items))
         end_s = self._clock()
         self._mean_batch_s = 0.8 * self._mean_batch_s + 0.2 * (end_s - start_s) \
             if self._mean_batch_s else end_s - start_s
@@ -286,7 +296,7 @@ class DynamicBatcher(Generic[T, R]):
             results = await self._fn(payloads)  # type: ignore[misc]
         else:
             results = await _run_on_own_thread(self._fn, payloads, f"batcher-{self.name}")
-        results = list(results)  # type: ignore[arg-type]
+        results = list(results)
         if len(results) != len(payloads):
             raise RuntimeError(f"batch function returned {len(results)} results for "
                                f"{len(payloads)} items")
@@ -322,10 +332,10 @@ async def _run_on_own_thread(fn: Callable[[Any], Any], arg: Any, name: str) -> A
     Not a thread pool: torch's OpenMP runtime (libgomp) keeps a pool of worker threads per
     thread that ran parallel work, for as long as that thread lives. A pooled batch thread
     would keep one next to the generative engine's, and with more OpenMP threads than cores
-    libgomp stops spinning between parallel regions: measured, `batchinfer serve` with
-    `--embedding-model` generated 26-37 % slower after one embeddings request. A thread that
-    ends takes its OpenMP pool with it. Measured round trip of an empty call (start the thread,
-    run, hand back to the loop): ~0.3 ms median, per batch.
+    libgomp stops spinning between parallel regions, which slowed `batchinfer serve
+    --embedding-model` generation once an embeddings request had run (docs/server.md). A
+    thread that ends takes its OpenMP pool with it; starting one costs well under a batch
+    (docs/dynamic-batching.md, "Measured figures").
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 
+from batchinfer.core.validation import check_int
+
 
 class LengthBuckets:
     """Map an item length to a bucket index (0 = shortest).
@@ -25,9 +27,7 @@ class LengthBuckets:
         relearn_every: int = 256,
         min_observations: int = 64,
     ) -> None:
-        if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < 1:
-            raise ValueError(f"num_buckets must be an integer >= 1, got {num_buckets!r}")
-        self.num_buckets = num_buckets
+        self.num_buckets = check_int("num_buckets", num_buckets)
         self.learned = boundaries is None
         self._lengths: deque[int] = deque(maxlen=window)
         self._relearn_every = relearn_every

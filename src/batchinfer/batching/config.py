@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchinfer.core.validation import check_int, check_non_negative
+
 
 @dataclass(frozen=True, slots=True)
 class LaneConfig:
@@ -20,7 +22,7 @@ class LaneConfig:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"lane {self.name!r}: priority must be an integer")
         if self.max_batch_delay_ms is not None:
-            _non_negative(f"lane {self.name!r}: max_batch_delay_ms", self.max_batch_delay_ms)
+            check_non_negative(f"lane {self.name!r}: max_batch_delay_ms", self.max_batch_delay_ms)
 
 
 DEFAULT_LANES = (LaneConfig("interactive", priority=0), LaneConfig("batch", priority=1))
@@ -28,7 +30,10 @@ DEFAULT_LANES = (LaneConfig("interactive", priority=0), LaneConfig("batch", prio
 
 @dataclass(frozen=True, slots=True)
 class BatcherConfig:
-    """All knobs of a `DynamicBatcher`; each is also a CLI flag (`--max-batch-delay-ms`)."""
+    """All knobs of a `DynamicBatcher`; each is also a keyword argument of it and of `@batch`.
+
+    No CLI flag sets them: `batchinfer serve --embedding-model` runs with
+    `embedding_service.ENCODER_BATCHER_CONFIG`."""
 
     max_batch_size: int = field(default=32, metadata={"help": "most items in one batch"})
     max_batch_delay_ms: float = field(default=5.0, metadata={
@@ -52,12 +57,12 @@ class BatcherConfig:
         "help": "bisect a failing batch so only the failing items get the error"})
 
     def __post_init__(self) -> None:
-        _positive_int("max_batch_size", self.max_batch_size)
-        _non_negative("max_batch_delay_ms", self.max_batch_delay_ms)
+        check_int("max_batch_size", self.max_batch_size)
+        check_non_negative("max_batch_delay_ms", self.max_batch_delay_ms)
         if self.max_batch_tokens is not None:
-            _positive_int("max_batch_tokens", self.max_batch_tokens)
-        _positive_int("max_queue_size", self.max_queue_size)
-        _positive_int("num_buckets", self.num_buckets)
+            check_int("max_batch_tokens", self.max_batch_tokens)
+        check_int("max_queue_size", self.max_queue_size)
+        check_int("num_buckets", self.num_buckets)
         if self.bucket_boundaries is not None:
             bounds = self.bucket_boundaries
             if not isinstance(bounds, tuple) or not all(
@@ -75,8 +80,8 @@ class BatcherConfig:
                 or self.aging_ms <= 0:
             raise ValueError(f"aging_ms must be > 0, got {self.aging_ms!r}")
         if self.timeout_ms is not None:
-            _non_negative("timeout_ms", self.timeout_ms)
-        _positive_int("max_concurrent_batches", self.max_concurrent_batches)
+            check_non_negative("timeout_ms", self.timeout_ms)
+        check_int("max_concurrent_batches", self.max_concurrent_batches)
 
     @property
     def default_lane(self) -> str:
@@ -92,13 +97,3 @@ class BatcherConfig:
                 return lane
         raise ValueError(f"lane must be one of {', '.join(x.name for x in self.lanes)}; "
                          f"got {name!r}")
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _non_negative(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")

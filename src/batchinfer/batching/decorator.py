@@ -92,7 +92,7 @@ def batch(
         if not callable(f):
             raise ValueError(f"fn must be callable, got {type(f).__name__}")
         return BatchedFunction(f, resolved, length_fn, metrics,
-                               name or getattr(f, "__name__", "batched"))
+                               name or str(getattr(f, "__name__", "batched")))
 
     return wrap(fn) if fn is not None else wrap
 

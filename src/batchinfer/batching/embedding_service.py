@@ -20,6 +20,7 @@ from batchinfer.batching.config import BatcherConfig
 from batchinfer.batching.errors import InputError
 from batchinfer.batching.metrics import BatcherMetrics
 from batchinfer.batching.offline import iter_batched_map
+from batchinfer.core.validation import check_int
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -30,13 +31,15 @@ EmbeddingInput = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
 # Online defaults for an encoder: a full batch of max-length (256-token) items fits the budget,
 # and the queue holds a few maximal requests (max_client_batch_size inputs each).
-ENCODER_BATCHER_DEFAULTS = {"max_batch_size": 32, "max_batch_delay_ms": 5.0,
-                            "max_batch_tokens": 8192, "max_queue_size": 8192}
+ENCODER_BATCHER_CONFIG = BatcherConfig(max_batch_size=32, max_batch_delay_ms=5.0,
+                                       max_batch_tokens=8192, max_queue_size=8192)
 
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """The encoder and the request limits of an embedding service (CLI: same names)."""
+    """The encoder and the request limits of an embedding service. `batchinfer embed` takes
+    `--model`, `--dtype`, `--device` and `--max-length` under these names; `batchinfer serve
+    --embedding-model` sets only `model`."""
 
     model: str = field(default="default", metadata={
         "help": "'default' (embedded all-MiniLM-L6-v2) or a local Hugging Face folder"})
@@ -54,10 +57,7 @@ class EmbeddingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        if isinstance(self.max_client_batch_size, bool) or not isinstance(
-                self.max_client_batch_size, int) or self.max_client_batch_size < 1:
-            raise ValueError(f"max_client_batch_size must be an integer >= 1, "
-                             f"got {self.max_client_batch_size!r}")
+        check_int("max_client_batch_size", self.max_client_batch_size)
 
     def load_encoder(self) -> Encoder:
         from batchinfer.models.encoder import Encoder
@@ -86,7 +86,7 @@ class EmbeddingService:
                               f"sentence-transformers/{encoder.name}"}
         self.metrics = BatcherMetrics(registry) if registry is not None else None
         self.batcher: DynamicBatcher[list[int], np.ndarray] = DynamicBatcher(
-            self._run_batch, batcher_config or BatcherConfig(**ENCODER_BATCHER_DEFAULTS),
+            self._run_batch, batcher_config or ENCODER_BATCHER_CONFIG,
             length_fn=len, clock=clock, metrics=self.metrics, name="embeddings")
 
     @classmethod
@@ -111,9 +111,8 @@ class EmbeddingService:
                                       f"max_client_batch_size={limit}")
         try:
             if kind == "text":
-                return self.encoder.tokenize(items, truncate=truncate)  # type: ignore[arg-type]
-            return self.encoder.add_special_tokens(
-                items, truncate=truncate)  # type: ignore[arg-type]
+                return self.encoder.tokenize(items, truncate=truncate)
+            return self.encoder.add_special_tokens(items, truncate=truncate)
         except ValueError as exc:
             raise _bad_input(str(exc)) from None
 

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from batchinfer.core.validation import check_int
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -54,12 +56,12 @@ def iter_batched_map(
 ) -> Iterator[R | Exception]:
     """Like `batched_map`, but yields results in input order one window at a time, so an
     unbounded input streams with bounded memory."""
-    _check_positive("batch_size", batch_size)
+    check_int("batch_size", batch_size)
     if max_batch_tokens is not None:
-        _check_positive("max_batch_tokens", max_batch_tokens)
+        check_int("max_batch_tokens", max_batch_tokens)
     window_size = sort_window if sort_window is not None else 64 * batch_size
-    _check_positive("sort_window", window_size)
-    _check_positive("num_workers", num_workers)
+    check_int("sort_window", window_size)
+    check_int("num_workers", num_workers)
     total = len(items) if isinstance(items, Sized) else None
     bar = _progress_bar(total, desc) if progress else None
     pool = ThreadPoolExecutor(num_workers, "batched-map") if num_workers > 1 else None
@@ -130,11 +132,6 @@ def _run(fn: Callable[[list[T]], Sequence[R]], batch: list[T]) -> list[R | Excep
 
 
 def _progress_bar(total: int | None, desc: str) -> Any:
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -25,6 +25,7 @@ from typing import Any
 
 from batchinfer.batching.buckets import LengthBuckets
 from batchinfer.batching.config import BatcherConfig
+from batchinfer.core.validation import check_int
 
 # Float slack when comparing times: arrival + delay computed in floats must still count as
 # due at exactly that instant.
@@ -98,8 +99,7 @@ class BatchQueue:
 
         The caller checks `has_room()` first: the queue itself never refuses for size.
         """
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"length must be an integer >= 1, got {length!r}")
+        check_int("length", length)
         budget = self.config.max_batch_tokens
         if budget is not None and length > budget:
             raise ValueError(f"length {length} exceeds max_batch_tokens={budget}: "

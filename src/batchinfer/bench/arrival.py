@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from batchinfer.core.validation import check_int
+
 
 def arrival_times(
     num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
@@ -20,12 +22,8 @@ def arrival_times(
 
     `request_rate` is requests per second (`math.inf`: every request at time 0).
     """
-    if num_requests < 0:
-        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
-    if not request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"--burstiness must be a positive number, got {burstiness}")
+    check_int("num_requests", num_requests, low=0)
+    check_arrivals(request_rate, burstiness)
     if num_requests == 0:
         return []
     if math.isinf(request_rate):
@@ -34,6 +32,14 @@ def arrival_times(
     scale = 1.0 / (request_rate * burstiness)
     intervals = rng.gamma(shape=burstiness, scale=scale, size=num_requests - 1)
     return [0.0, *np.cumsum(intervals).tolist()]
+
+
+def check_arrivals(request_rate: float, burstiness: float) -> None:
+    """`ValueError` naming the flag unless the rate is > 0 (or inf) and the shape finite > 0."""
+    if not request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"--burstiness must be a positive number, got {burstiness}")
 
 
 def parse_rate(text: str) -> float:

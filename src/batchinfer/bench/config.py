@@ -6,7 +6,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from batchinfer.bench.arrival import check_arrivals
 from batchinfer.bench.workload import parse_length_spec
+from batchinfer.core.validation import check_choice, check_int
 
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "jsonl")
@@ -45,21 +47,18 @@ class BenchConfig:
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url {self.base_url!r}: expected http://HOST:PORT")
-        _choice("--endpoint", self.endpoint, ENDPOINTS)
-        _choice("--dataset", self.dataset, DATASETS)
+        check_choice("--endpoint", self.endpoint, ENDPOINTS)
+        check_choice("--dataset", self.dataset, DATASETS)
         if self.dataset == "jsonl" and not self.dataset_path:
             raise ValueError("--dataset jsonl needs --dataset-path")
-        _at_least("--num-prompts", self.num_prompts, 1)
-        _at_least("--num-warmups", self.num_warmups, 0)
-        _at_least("--seed", self.seed, 0)
-        _at_least("--shared-prefix-len", self.shared_prefix_len, 1)
-        _at_least("--num-prefixes", self.num_prefixes, 1)
+        check_int("--num-prompts", self.num_prompts)
+        check_int("--num-warmups", self.num_warmups, low=0)
+        check_int("--seed", self.seed, low=0)
+        check_int("--shared-prefix-len", self.shared_prefix_len)
+        check_int("--num-prefixes", self.num_prefixes)
         if self.max_concurrency is not None:
-            _at_least("--max-concurrency", self.max_concurrency, 1)
-        if not self.request_rate > 0:
-            raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
-        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
-            raise ValueError(f"--burstiness must be a positive number, got {self.burstiness}")
+            check_int("--max-concurrency", self.max_concurrency)
+        check_arrivals(self.request_rate, self.burstiness)
         if not self.request_timeout_s > 0:
             raise ValueError("--request-timeout-s must be > 0")
         if not self.scrape_interval_s > 0:
@@ -73,13 +72,3 @@ class BenchConfig:
         if math.isinf(self.request_rate):
             data["request_rate"] = "inf"
         return data
-
-
-def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{flag} {value!r}: expected one of {', '.join(choices)}")
-
-
-def _at_least(flag: str, value: int, low: int) -> None:
-    if not isinstance(value, int) or value < low:
-        raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")

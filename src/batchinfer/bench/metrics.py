@@ -97,7 +97,7 @@ def compute_metrics(
     if duration_s <= 0:
         raise RuntimeError(f"benchmark duration must be positive, got {duration_s}")
     ok = [r for r in results if r.success]
-    failed = Counter(r.error for r in results if not r.success)
+    failed = Counter(r.error for r in results if r.error is not None)  # = not r.success
     ttfts = [r.ttft_s for r in ok]
     e2els = [r.e2el_s for r in ok]
     all_tpots = [request_tpot_s(r) for r in ok]
@@ -190,7 +190,8 @@ def max_concurrency(results: Sequence[RequestResult]) -> int:
     return peak
 
 
-def concurrency_at(results: Sequence[RequestResult], times_s: Sequence[float]) -> list[int]:
+def concurrency_at(results: Sequence[RequestResult],
+                   times_s: Sequence[float] | np.ndarray) -> list[int]:
     """Client-side requests in flight at each of `times_s` (perf_counter seconds)."""
     starts = np.sort([r.start_s for r in results])
     ends = np.sort([r.end_s for r in results])

@@ -58,8 +58,8 @@ def parse_metrics(text: str, time_s: float = 0.0) -> ServerSample:
     )
     values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(kept + "\n"):
-        for sample in family.samples:
-            values.setdefault(sample.name, []).append(float(sample.value))
+        for metric in family.samples:
+            values.setdefault(metric.name, []).append(float(metric.value))
     sample = ServerSample(time_s)
     for key, names in GAUGES.items():
         found = _first(values, names)
@@ -127,7 +127,7 @@ class MetricsScraper:
 
     def start(self) -> None:
         """Start scraping in the running loop. The client is made here, before the benchmark's
-        clock starts: making one loads the TLS certificates, which blocks for tens of ms."""
+        clock starts: making one loads the TLS certificates, which blocks the loop."""
         self._client = httpx.AsyncClient(timeout=5.0)
         self._task = asyncio.get_running_loop().create_task(self._loop(self._client))
 
@@ -176,8 +176,8 @@ def summarize_server(samples: list[ServerSample], start_s: float) -> ServerSumma
         pairs = [s.histograms.get(key) for s in samples]
         if not any(pairs):
             continue
-        timeline[key] = [None] + [_interval_mean(a, b) for a, b in zip(pairs, pairs[1:],
-                                                                        strict=False)]
+        timeline[key] = [None, *(_interval_mean(a, b) for a, b in zip(pairs, pairs[1:],
+                                                                       strict=False))]
         present_pairs = [p for p in pairs if p is not None]
         whole = _interval_mean(present_pairs[0], present_pairs[-1])
         if whole is not None:
@@ -187,9 +187,9 @@ def summarize_server(samples: list[ServerSample], start_s: float) -> ServerSumma
             peak[key] = max(present)
     deltas: dict[str, float] = {}
     for key in COUNTERS:
-        series = [s.counters[key] for s in samples if key in s.counters]
-        if series:
-            deltas[key] = series[-1] - series[0]
+        totals = [s.counters[key] for s in samples if key in s.counters]
+        if totals:
+            deltas[key] = totals[-1] - totals[0]
     return ServerSummary(len(samples), mean, peak, deltas, timeline)
 
 

@@ -33,13 +33,15 @@ from batchinfer.bench.plots import plot_sweep
 from batchinfer.bench.report import write_json
 from batchinfer.bench.serve import run_async, run_with_progress, save_result
 from batchinfer.core.config import BATCHING_FORMS, EngineConfig
+from batchinfer.core.validation import check_choice
 
 SERVE_COMMAND = (sys.executable, "-m", "batchinfer.cli.main", "serve")
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """One server to start: its batching form and the engine flags passed through."""
+class SweepServer:
+    """One server a sweep starts: its label, batching form and the engine flags passed through
+    (the server's own knobs are `server.app.ServerConfig`)."""
 
     label: str
     batching: str
@@ -67,8 +69,7 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         for form in self.batching:
-            if form not in BATCHING_FORMS:
-                raise ValueError(f"--batching {form!r}: expected one of {BATCHING_FORMS}")
+            check_choice("--batching", form, BATCHING_FORMS)
         if not self.batching or not self.request_rates:
             raise ValueError("--batching and --request-rate need at least one value each")
         if any(not r > 0 for r in self.request_rates):
@@ -79,9 +80,9 @@ class SweepConfig:
             raise ValueError("--server-start-timeout-s and --server-stop-timeout-s must be > 0")
 
 
-def server_configs(sweep: SweepConfig) -> list[ServerConfig]:
-    """The configurations of a sweep, in a stable order."""
-    configs = []
+def sweep_servers(sweep: SweepConfig) -> list[SweepServer]:
+    """The servers of a sweep, one per configuration, in a stable order."""
+    servers = []
     for form in sweep.batching:
         batch_sizes = sweep.max_batch_size if form != "continuous" else ()
         delays = sweep.max_batch_delay_ms if form == "dynamic" else ()
@@ -97,11 +98,11 @@ def server_configs(sweep: SweepConfig) -> list[ServerConfig]:
                         if value is not None:
                             flags += [flag, f"{value:g}"]
                             label += f"-{tag}{value:g}"
-                    configs.append(ServerConfig(label, form, (*flags, *sweep.server_args)))
-    return configs
+                    servers.append(SweepServer(label, form, (*flags, *sweep.server_args)))
+    return servers
 
 
-def static_form_warnings(sweep: SweepConfig, server: ServerConfig) -> list[str]:
+def static_form_warnings(sweep: SweepConfig, server: SweepServer) -> list[str]:
     """Workloads a static-batching server cannot finish: it runs a batch only once a full one
     waits, so fewer requests in flight than a batch never start, and a partial last batch waits
     until the request timeout."""
@@ -130,7 +131,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(
-    server: ServerConfig, sweep: SweepConfig, log_path: Path
+    server: SweepServer, sweep: SweepConfig, log_path: Path
 ) -> Iterator[str]:
     """Start `server`, yield its base URL once `/health` answers 200, stop it on exit."""
     port = free_port()
@@ -188,7 +189,7 @@ def run_sweep(sweep: SweepConfig, console: Console | None = None) -> list[dict[s
     console = console or Console()
     out_dir = Path(sweep.result_dir)
     points: list[dict[str, Any]] = []
-    for server in server_configs(sweep):
+    for server in sweep_servers(sweep):
         console.print(f"[bold]sweep[/bold]: starting server {server.label}")
         for warning in static_form_warnings(sweep, server):
             console.print(f"[yellow]warning[/yellow] ({server.label}): {warning}")
@@ -212,7 +213,7 @@ def _rate_text(rate: float) -> str | float:
 
 
 def sweep_point(
-    server: ServerConfig, rate: float, result: BenchResult, file_name: str
+    server: SweepServer, rate: float, result: BenchResult, file_name: str
 ) -> dict[str, Any]:
     """One row of the comparison: the headline numbers of one run."""
     m = result.metrics

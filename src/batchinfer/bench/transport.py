@@ -2,8 +2,8 @@
 
 httpcore's connection pool scans every connection (and polls each idle socket) whenever a
 request starts or a response closes. At 64 connections that scan cost the bench client more CPU
-than reading the streams (about 4 ms a request against 1.4 ms with this transport, measured on
-a 2-core machine), which made the client the bottleneck. Here each request takes a free
+than reading the streams, which made the client the bottleneck (figures and commands in
+docs/benchmarking.md, "The client is not the bottleneck"). Here each request takes a free
 single-connection transport from a free list and gives it back when its response is closed;
 the benchmark's semaphore bounds how many exist.
 """
@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 
+from batchinfer.core.validation import check_int
+
 
 class SlotTransport(httpx.AsyncBaseTransport):
     """Single-connection `httpx.AsyncHTTPTransport`s, reused, at most `max_slots` of them."""
 
     def __init__(self, max_slots: int, ssl_context: ssl.SSLContext | None = None) -> None:
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
-        self.max_slots = max_slots
+        self.max_slots = check_int("max_slots", max_slots)
         self._ssl_context = ssl_context or httpx.create_ssl_context()
         self._free: list[httpx.AsyncHTTPTransport] = []
         self._all: list[httpx.AsyncHTTPTransport] = []
@@ -44,6 +44,8 @@ class SlotTransport(httpx.AsyncBaseTransport):
         except BaseException:
             self._free.append(transport)
             raise
+        if not isinstance(response.stream, httpx.AsyncByteStream):
+            raise RuntimeError("an async transport returned a sync response stream")
         stream = _ReleasingStream(response.stream, lambda: self._free.append(transport))
         return httpx.Response(response.status_code, headers=response.headers, stream=stream,
                               extensions=response.extensions)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from batchinfer.core.validation import check_int
+
 # Common words that are a single token (with their leading space) in Llama/Qwen/Mistral BPEs.
 WORDS = (
     "the", "of", "and", "to", "in", "is", "was", "for", "that", "on", "as", "with", "by", "he",
@@ -230,8 +232,7 @@ def _jsonl_request(
     max_tokens = item.get("max_tokens")
     if max_tokens is None:
         max_tokens = output_len.sample(rng, 1)[0]
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"{where}: max_tokens must be an integer >= 1")
+    check_int(f"{where}: max_tokens", max_tokens)
     if isinstance(item.get("prompt"), str):
         prompt = item["prompt"]
         return BenchRequest(max_tokens, len(prompt.split()), prompt=prompt)

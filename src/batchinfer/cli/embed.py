@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from batchinfer.core.config import DEVICES
+from batchinfer.core.validation import check_choice, check_int
+
 INPUT_FORMATS = ("auto", "jsonl", "text")
 
 
@@ -41,7 +44,7 @@ def register(subparsers: Any) -> None:
     model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="auto: bfloat16 where the hardware has fast bf16, else float32 "
                        "(default: auto)")
-    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+    model.add_argument("--device", default="auto", choices=DEVICES,
                        help="default: auto (cuda if present)")
     model.add_argument("--max-length", type=int, default=None,
                        help="longest input in tokens (default: the model's)")
@@ -66,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
     from batchinfer.batching.embedding_service import EmbeddingConfig, embed_offline
 
     for name in ("batch_size", "max_batch_tokens", "sort_window", "num_workers"):
-        _positive(name, getattr(args, name))
+        check_int(name, getattr(args, name))
     if args.num_threads is not None:
-        _positive("num_threads", args.num_threads)
+        check_int("num_threads", args.num_threads)
     ids, texts = read_texts(args.input, args.input_format, args.text_field)
     if not texts:
         raise ValueError(f"input {args.input!r} holds no texts")
@@ -95,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def read_texts(path: str, input_format: str = "auto",
                text_field: str = "text") -> tuple[list[Any], list[str]]:
     """(ids, texts) from a JSONL or text file; ids are `None` where the input had none."""
-    if input_format not in INPUT_FORMATS:
-        raise ValueError(f"input_format must be one of {', '.join(INPUT_FORMATS)}")
+    check_choice("input_format", input_format, INPUT_FORMATS)
     if input_format == "auto":
         input_format = "text" if path.endswith(".txt") else "jsonl"
     if path != "-" and not Path(path).is_file():
@@ -176,8 +178,3 @@ def _open_output(path: str) -> Iterator[IO[str]]:
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

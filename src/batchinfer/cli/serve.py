@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = GracefulServer(config, on_exit_signal=app.state.server.begin_drain)
     app.state.server.on_fatal = server.request_exit

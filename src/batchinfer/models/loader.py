@@ -8,7 +8,6 @@ no random initialisation and no second copy of the weights is ever made.
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,15 +18,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from batchinfer.models.files import read_json
 from batchinfer.models.gguf import convert_gguf
 from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
 from batchinfer.models.registry import SourceKind, resolve_model_source
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,47 +57,13 @@ def load_model(
     folder = source.path
     if source.kind is SourceKind.GGUF:
         folder = convert_gguf(source.path, cache_dir or default_cache_dir())
-    config = _read_json(folder / "config.json", required=True)
+    config = read_json(folder / "config.json")
     spec = ModelSpec.from_hf_config(config, source=os.fspath(folder / "config.json"))
     net = load_weights(folder, spec, dtype, torch.device(device))
     tokenizer = load_tokenizer(folder)
-    generation_config = _read_json(folder / "generation_config.json", required=False)
+    generation_config = read_json(folder / "generation_config.json", required=False)
     eos_token_ids = _eos_token_ids(config, generation_config, tokenizer)
     return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, source.name)
-
-
-def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """`"auto" | "float32" | "bfloat16" | "float16"` -> a torch dtype for `device`.
-
-    auto: bfloat16 on CUDA when supported, and on CPUs with native bf16 matmuls (AVX512-BF16
-    or AMX); float32 everywhere else.
-    """
-    device = torch.device(device)
-    if name in _DTYPES:
-        return _DTYPES[name]
-    if name != "auto":
-        raise ValueError(f"dtype {name!r}: expected 'auto', {', '.join(map(repr, _DTYPES))}")
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and cpu_has_fast_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when torch runs AVX512 kernels and the CPU has bf16 dot products or AMX tiles."""
-    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
-        return False
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def load_weights(
@@ -154,7 +114,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file holding it (one file or sharded)."""
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = _read_json(index_path, required=True).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: field 'weight_map' is missing")
         files = {name: folder / file for name, file in weight_map.items()}
@@ -204,17 +164,3 @@ def _eos_token_ids(
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def _read_json(path: Path, required: bool) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise ValueError(f"{path.parent}: {path.name} is missing")
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot parse ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data

@@ -15,6 +15,7 @@ Supported: `bert` (absolute positions) and `roberta` / `xlm-roberta` (positions 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,11 @@ _ACTIVATIONS = {
 _POSITION_START = {"bert": 0, "roberta": None, "xlm-roberta": None}
 
 
-def packed_supported(hf_model: nn.Module) -> bool:
+# `hf_model` below is a `transformers` encoder, read by attribute name (`config.hidden_act`,
+# `embeddings.word_embeddings`, `encoder.layer`): its config and submodules carry no static types.
+
+
+def packed_supported(hf_model: Any) -> bool:
     """Whether `hf_model` (a `transformers` encoder) can run packed."""
     config = hf_model.config
     return (config.model_type in _POSITION_START
@@ -43,7 +48,7 @@ def packed_supported(hf_model: nn.Module) -> bool:
 class PackedEncoder(nn.Module):
     """The forward pass of a BERT-family `transformers` model over a packed token row."""
 
-    def __init__(self, hf_model: nn.Module, chunk_tokens: int = 1024) -> None:
+    def __init__(self, hf_model: Any, chunk_tokens: int = 1024) -> None:
         super().__init__()
         if not packed_supported(hf_model):
             raise ValueError(f"model type {hf_model.config.model_type!r} cannot run packed")
@@ -69,9 +74,11 @@ class PackedEncoder(nn.Module):
         start = 0
         for count, length in runs:
             end = start + count * length
-            heads = [t[start:end].view(count, length, self.num_heads, self.head_dim)
-                     .transpose(1, 2) for t in (q, k, v)]  # [count, heads, length, head_dim]
-            attended = F.scaled_dot_product_attention(*heads)
+            # each [count, heads, length, head_dim]
+            q_run, k_run, v_run = (
+                t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+                for t in (q, k, v))
+            attended = F.scaled_dot_product_attention(q_run, k_run, v_run)
             out[start:end] = attended.transpose(1, 2).reshape(end - start, -1)
             start = end
         return out

@@ -7,13 +7,11 @@ product on it (`torch.ops.mkldnn._linear_pointwise`). The packed tensor replaces
 so memory is unchanged, except a tied LM head, which gets a packed copy of the embedding table
 (the table itself stays dense for the token lookup).
 
-Measured on a 2-core AMD EPYC (AVX2), SmolLM2-135M float32, 2 threads, two runs of
-`benchmarks/step_profile.py --threads 2 --num-prompts 32 --decode-steps 8` with and without
-`--no-prepack-weights`, median wall ms per step, dense -> packed: decode of 32 sequences
-258-261 -> 169-212, of 16 sequences 190-201 -> 119-121, prefill steps of 2,048 tokens
-4,010-4,253 -> 3,768-4,158 (within the noise). The LM head alone (576 -> 49,152, 33 rows):
-34 -> 15 ms. Results match dense `F.linear` to float32 rounding (another summation order),
-not bit for bit.
+Decode-sized products (a few rows against a large weight) gain the most, since there the
+per-call re-blocking is a large share of the work; prefill-sized ones run about as fast either
+way (figures and the command in docs/architecture.md, "Measured figures behind design
+choices"). Results match dense `F.linear` to float32 rounding (another summation order), not
+bit for bit.
 
 Only float32 on CPU: oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT), and on GPUs the
 dense path is already the vendor library's.

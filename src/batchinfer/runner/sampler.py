@@ -7,8 +7,8 @@ output tokens, divide positive logits, multiply negative ones), frequency / pres
 shorter); greedy rows take the argmax of that; random rows then divide by temperature and apply
 min_p, top_k, top_p, and draw by inverse CDF: one uniform number per row, located in the row's
 cumulative probabilities. (The exponential race `argmax(probs / Exponential(1))` needs a random
-number per vocabulary entry: 41-45 ms for 32 rows of SmolLM2's 49,152 on the development CPU,
-a fifth of a decode step, against ~1 ms for the inverse CDF.)
+number per vocabulary entry, and drawing those costs a sizeable part of a CPU decode step;
+figures in docs/architecture.md, "Measured figures behind design choices".)
 
 Every step is one tensor op over all rows that need it; Python loops only build index lists and
 draw the uniforms of seeded rows. A seeded row's uniform comes from a generator seeded with
