@@ -11,8 +11,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from batchinfer.models import LlamaForCausalLM, ModelSpec, load_model, resolve_dtype
-from batchinfer.models import loader as loader_module
+from batchinfer.models import LlamaForCausalLM, ModelSpec, load_model
 from tests.tiny_models import EOS_TOKEN_ID, DenseCache, dense_attention, make_tiny_llama
 
 LLAMA3_ROPE = {
@@ -39,8 +38,8 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def hf_logits(folder: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     with torch.no_grad():
         return model(ids[None]).logits[0].float()
 
@@ -108,18 +107,30 @@ def test_loaded_model_fields(tmp_path: Path) -> None:
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_bfloat16_load(tmp_path: Path) -> None:
-    folder = make_tiny_llama(tmp_path, "llama")
+# Our bfloat16 error against float32 may exceed transformers' own bfloat16 error by this factor at
+# most. Greedy picks may differ from transformers' where float32's top two are closer than bf16
+# noise; what a numerical bug changes is the SIZE of the error (RMSNorm computed in bf16: ~1.2x;
+# RoPE angles in bf16: ~9x; docs/architecture.md, "bfloat16 accuracy").
+BF16_SLACK = 1.15
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "tied-qkv-bias", "llama3-rope"])
+def test_bfloat16_error_within_transformers_bfloat16(tmp_path: Path, case: str) -> None:
+    arch, overrides = CASES[case]
+    folder = make_tiny_llama(tmp_path, arch, num_hidden_layers=4, **overrides)
     loaded = load_model(str(folder), torch.bfloat16, "cpu")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert loaded.model.rope_cos.dtype == torch.float32
-    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 300, (400,), generator=torch.Generator().manual_seed(4))
+    reference = hf_logits(folder, ids)
     ours = our_logits(loaded.model, [ids])
     assert ours.dtype == torch.float32
-    expected = hf_logits(folder, ids)
-    # bf16 keeps ~3 significant digits; the argmax must still agree almost everywhere.
-    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
-    assert (ours - expected).abs().max() < 0.15 * expected.abs().max()
+
+    def error(logits: torch.Tensor) -> float:
+        return ((logits - reference).norm() / reference.norm()).item()
+
+    theirs = error(hf_logits(folder, ids, torch.bfloat16))
+    assert error(ours) <= BF16_SLACK * theirs, f"bf16 error {error(ours):.4f} vs {theirs:.4f}"
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
@@ -159,6 +170,18 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_model(str(folder), torch.float32, "cpu")
 
 
+# A small valid Llama config.json, for tests that change one field.
+MINIMAL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "vocab_size": 300,
+    "max_position_embeddings": 64,
+}
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -169,32 +192,14 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     ],
 )
 def test_bad_config_fields(field: str, value: object, message: str) -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "vocab_size": 300,
-        "max_position_embeddings": 64,
-    }
-    ModelSpec.from_hf_config(config)  # the base config is valid
+    ModelSpec.from_hf_config(MINIMAL_CONFIG)  # the base config is valid
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config({**config, field: value}, source="x/config.json")
+        ModelSpec.from_hf_config({**MINIMAL_CONFIG, field: value}, source="x/config.json")
 
 
 def test_transformers4_rope_fields() -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "vocab_size": 300,
-        "max_position_embeddings": 64,
-        "rope_theta": 500000.0,
-        "rope_scaling": {"type": "linear", "factor": 2.0},
-    }
+    config = {**MINIMAL_CONFIG, "rope_theta": 500000.0,
+              "rope_scaling": {"type": "linear", "factor": 2.0}}
     spec = ModelSpec.from_hf_config(config)
     assert spec.rope_theta == 500000.0
     assert spec.rope_scaling == {"rope_type": "linear", "factor": 2.0}
@@ -234,22 +239,3 @@ def test_wrong_tensor_shape(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"gate_proj\.weight.*config\.json implies"):
         load_model(str(folder), torch.float32, "cpu")
-
-
-def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert resolve_dtype("float32", "cpu") == torch.float32
-    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
-    with pytest.raises(ValueError, match="dtype 'fp8'"):
-        resolve_dtype("fp8", "cpu")
-    expected = torch.bfloat16 if loader_module.cpu_has_fast_bf16() else torch.float32
-    assert resolve_dtype("auto", "cpu") == expected
-
-    with_bf16, without = tmp_path / "with", tmp_path / "without"
-    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 sse\n")
-    without.write_text("processor\t: 0\nflags\t\t: fpu avx512f sse\n")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert loader_module.cpu_has_fast_bf16(with_bf16)
-    assert not loader_module.cpu_has_fast_bf16(without)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert not loader_module.cpu_has_fast_bf16(with_bf16)

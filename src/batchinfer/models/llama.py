@@ -202,7 +202,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        """x (the float32 residual stream) -> normalized, in the weights' dtype."""
+        weight = self.weight.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, weight, self.eps).to(self.weight.dtype)
 
 
 class Attention(nn.Module):
@@ -255,7 +257,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        """Updates the residual stream `x` `[n, hidden]` IN PLACE and returns it."""
+        """Updates the residual stream `x` `[n, hidden]` (float32) IN PLACE and returns it."""
         x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attention))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
@@ -267,6 +269,9 @@ class LlamaForCausalLM(nn.Module):
     RoPE tables are always made on CPU in float32 and follow `.to(device)`. Do not cast the
     module with `.to(dtype)`: that would cast the tables too.
     """
+
+    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim // 2] float32, a buffer
+    rope_sin: torch.Tensor  # same shape
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -294,6 +299,11 @@ class LlamaForCausalLM(nn.Module):
         # One table lookup per step, shared by every layer: [n, 1, head_dim // 2]
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        # The residual stream stays float32 whatever the weights' dtype: in bfloat16 each of
+        # the 2 * num_layers additions would round it to 8 mantissa bits, a large share of
+        # bfloat16's error against float32 and enough to flip near-tied greedy picks
+        # (docs/architecture.md, "bfloat16 accuracy").
+        x = x.float()
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
         return self.norm(x)
