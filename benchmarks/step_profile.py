@@ -18,10 +18,12 @@ time, since the other threads' work would not show in this thread's CPU time. Ea
 is split by wrapping, for the run only:
 - linear:    every projection and the LM head (`PackedLinear`, or `F.linear` with
              `--no-prepack-weights`);
-- attention: `PagedAttention.__call__` minus the two below (scores, softmax, weighted sum);
-- gather:    KV cache copies: block gathers (`attention._gather_blocks`) and this step's K/V
-             writes (`_write_kv`). CPU float32 decodes read the cache in place, without a
-             gather, so their cache reads count as attention;
+- attention: the attention backend's `__call__` minus the two below (scores, softmax,
+             weighted sum);
+- gather:    KV cache copies: block gathers (`paged_rows.gather_blocks`) and this step's K/V
+             writes (`paged_rows.write_kv`). With the `cpu_sparse` backend (the default for CPU
+             float32) decodes read the cache in place, without a gather, so their cache reads
+             count as attention;
 - other:     the rest of the step (embedding, norms, RoPE, activations, residuals, sampling,
              input preparation, scheduler).
 Each bucket is self time: a wrapped call nested in another is subtracted from its parent.
@@ -44,17 +46,21 @@ import torch.nn.functional as F
 
 from batchinfer import SamplingParams
 from batchinfer.engine.llm_engine import LLMEngine
+from batchinfer.engine.outputs import RequestOutputKind
 from batchinfer.models.prepack import PackedLinear
-from batchinfer.runner import attention as attention_module
+from batchinfer.runner.backends import gather, paged_rows
+from batchinfer.runner.backends.sdpa import SdpaBackend
 
 BUCKETS = ("linear", "attention", "gather", "other")
 # (owner, attribute, bucket): the callables timed, patched for the duration of the run.
 _TIMED: list[tuple[Any, str, str]] = [
     (F, "linear", "linear"),
     (PackedLinear, "forward", "linear"),
-    (attention_module.PagedAttention, "__call__", "attention"),
-    (attention_module, "_gather_blocks", "gather"),
-    (attention_module, "_write_kv", "gather"),
+    (paged_rows.PagedRowsBackend, "__call__", "attention"),
+    (SdpaBackend, "__call__", "attention"),
+    (paged_rows, "gather_blocks", "gather"),
+    (gather, "gather_blocks", "gather"),  # imported by name there
+    (paged_rows, "write_kv", "gather"),
 ]
 
 
@@ -124,13 +130,14 @@ def timed_step(
         return record
     timer.seconds.clear()
     start = timer.clock()
-    # The body of `LLMEngine.step()`, inlined to see what was scheduled.
-    scheduler_output = engine.scheduler.schedule()
+    # The body of `LLMEngine.step()` (`EngineCore.step` + output processing), inlined to see
+    # what was scheduled.
+    core = engine.core
+    scheduler_output = core.scheduler.schedule()
     if scheduler_output.is_empty:
         raise RuntimeError("nothing scheduled; the workload is too small for the step counts")
-    runner_output = engine.runner.execute(scheduler_output)
-    updates = engine.scheduler.update_from_output(scheduler_output, runner_output)
-    engine.process_updates(updates)
+    runner_output = core.runner.execute(scheduler_output)
+    engine.process_outputs(core.scheduler.update_from_output(scheduler_output, runner_output))
     total = timer.clock() - start
     split = {bucket: timer.seconds.get(bucket, 0.0) for bucket in BUCKETS[:-1]}
     split["other"] = total - sum(split.values())
@@ -152,17 +159,18 @@ def run_workload(
 ) -> list[StepRecord]:
     rng = random.Random(args.seed)
     low, high = args.prompt_len
-    vocab = engine.spec.vocab_size
+    vocab = engine.processor.vocab_size
     params = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
     request_ids = [
-        engine.add_tokenized(None, [rng.randrange(100, vocab) for _ in range(rng.randint(low, high))],
-                             params)
+        engine.add_request([rng.randrange(100, vocab) for _ in range(rng.randint(low, high))],
+                           params, kind=RequestOutputKind.FINAL_ONLY)
         for _ in range(args.num_prompts)
     ]
     records = []
+    scheduler = engine.core.scheduler
     # Prefill-heavy: until every prompt is in (decodes of the early ones ride along).
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    while scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
     ):
         records.append(timed_step(engine, timer, "prefill-heavy", op_tables))
     for half in (args.num_prompts, args.num_prompts // 2):
@@ -208,7 +216,7 @@ def main() -> None:
         max_num_seqs=max(64, args.num_prompts), prepack_weights=args.prepack_weights,
     )
     # Warm-up: first-call allocations and lazy initialisation stay out of the figures.
-    engine.add_tokenized(None, list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     timer = SplitTimer(time.thread_time if args.threads == 1 else time.perf_counter)
@@ -216,7 +224,7 @@ def main() -> None:
     with timer.patched():
         records = run_workload(engine, args, timer, op_tables)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"{engine.spec.num_layers} layers, block_size {engine.config.block_size}")
+          f"{engine.worker.spec.num_layers} layers, block_size {engine.config.block_size}")
     report(records)
     for kind, table in (op_tables or {}).items():
         print(f"\n{kind}: top ops of its first step (torch.profiler)\n{table}")

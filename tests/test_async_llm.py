@@ -36,13 +36,19 @@ class StepRecorder:
     def record_step(self, stats) -> None:
         self.steps.append(stats)
 
-    def record_outputs(self, outputs, now_s) -> None:
+    def record_requests(self, stats, now_s) -> None:
         pass
 
 
 async def collect(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str | None = None):
     outputs = [out async for out in llm.generate(prompt, params, request_id)]
     return outputs
+
+
+def joined(outputs, index: int = 0) -> tuple[str, list[int]]:
+    """A sequence's text and token ids, put together from its DELTA outputs."""
+    parts = [c for o in outputs for c in o.outputs if c.index == index]
+    return "".join(c.text for c in parts), [t for c in parts for t in c.token_ids]
 
 
 async def wait_until(predicate, timeout_s: float = 10.0) -> None:
@@ -73,12 +79,9 @@ def test_streams_equal_offline_generate(model_dir):
     for outputs, want in zip(asyncio.run(main()), expected, strict=True):
         final = outputs[-1]
         assert final.finished and all(not o.finished for o in outputs[:-1])
-        assert [c.text for c in final.outputs] == [c.text for c in want.outputs]
-        assert [c.token_ids for c in final.outputs] == [c.token_ids for c in want.outputs]
-        # new_token_ids of the streamed outputs add up to the whole sequence
-        for index, completion in enumerate(final.outputs):
-            streamed = [t for o in outputs for t in o.new_token_ids.get(index, [])]
-            assert streamed == completion.token_ids
+        # the deltas add up to the whole sequence, each token and character once
+        for completion in want.outputs:
+            assert joined(outputs, completion.index) == (completion.text, completion.token_ids)
 
 
 def test_abort_frees_blocks_and_ends_stream(model_dir):
@@ -108,7 +111,7 @@ def test_abort_frees_blocks_and_ends_stream(model_dir):
         llm.abort("r2")
         outputs = await task
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
-        assert len(outputs[-1].outputs[0].token_ids) < 400
+        assert len(joined(outputs)[1]) < 400
         await wait_until(lambda: recorder.steps[-1].kv_cache_usage == 0.0)
         llm.shutdown()
 
@@ -118,7 +121,8 @@ def test_abort_frees_blocks_and_ends_stream(model_dir):
 def test_stop_string_finishes_in_engine(model_dir):
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     text = LLM(model_dir, **ENGINE).generate("the quick", greedy, use_tqdm=False)[0].outputs[0].text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    start = next(i for i in range(len(text) // 2, len(text)) if text[i].strip())
+    stop = text[start : start + 2]
 
     async def main():
         llm = make_llm(model_dir)
@@ -128,11 +132,12 @@ def test_stop_string_finishes_in_engine(model_dir):
         outputs = await collect(llm, "the quick", params)
         await wait_until(lambda: recorder.steps[-1].kv_cache_usage == 0.0)
         llm.shutdown()
-        return outputs[-1].outputs[0]
+        return outputs
 
-    completion = asyncio.run(main())
+    outputs = asyncio.run(main())
+    completion = outputs[-1].outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
-    assert completion.text == text[: text.find(stop)]
+    assert joined(outputs)[0] == text[: text.find(stop)]
 
 
 def test_queue_bound_rejects_without_losing_accepted(model_dir):
@@ -152,7 +157,7 @@ def test_queue_bound_rejects_without_losing_accepted(model_dir):
     assert rejected and done and len(rejected) + len(done) == 6
     for outputs in done:
         assert outputs[-1].outputs[0].finish_reason == "length"
-        assert len(outputs[-1].outputs[0].token_ids) == 24
+        assert len(joined(outputs)[1]) == 24
 
 
 def test_failing_request_fails_alone(model_dir):
@@ -162,7 +167,7 @@ def test_failing_request_fails_alone(model_dir):
 
     async def main():
         llm = make_llm(model_dir)
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         execute = runner.execute
 
         def poisoned(scheduler_output):
@@ -186,22 +191,22 @@ def test_failing_request_fails_alone(model_dir):
 
     (first, bad, second), after = asyncio.run(main())
     assert isinstance(bad, RequestFailedError) and "bad" in str(bad)
-    assert first[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
-    assert second[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
-    assert after[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert joined(first)[1] == expected[0].outputs[0].token_ids
+    assert joined(second)[1] == expected[1].outputs[0].token_ids
+    assert joined(after)[1] == expected[0].outputs[0].token_ids
 
 
 def test_bad_prompt_raises_and_engine_thread_sleeps_when_idle(model_dir):
     async def main():
         llm = make_llm(model_dir, max_model_len=64)
         calls = []
-        step_core = llm.engine.step_core
+        step = llm.engine.core.step
 
         def counting():
             calls.append(1)
-            return step_core()
+            return step()
 
-        llm.engine.step_core = counting
+        llm.engine.core.step = counting
         with pytest.raises(ValueError, match="max_model_len"):
             await collect(llm, list(range(3, 80)), SamplingParams(max_tokens=4))
         with pytest.raises(ValueError, match="prompt"):

@@ -49,13 +49,13 @@ def hf_greedy(model_dir, prompts, max_new_tokens):
 def test_greedy_equals_hugging_face_generate(tmp_path, arch):
     model_dir = make_tiny_llama(tmp_path, arch=arch)
     llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20)
-    prompts = random_prompts(4, llm.engine.spec.vocab_size, seed=1, high=40)
+    prompts = random_prompts(4, llm.engine.processor.vocab_size, seed=1, high=40)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert ours == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
 
 
 def test_same_output_alone_batched_chunked_and_preempted(llama_dir, llm):
-    prompts = random_prompts(31, llm.engine.spec.vocab_size, seed=2)
+    prompts = random_prompts(31, llm.engine.processor.vocab_size, seed=2)
     alone = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert batched[0] == alone
@@ -66,7 +66,7 @@ def test_same_output_alone_batched_chunked_and_preempted(llama_dir, llm):
     # 12 blocks of 16 tokens cannot hold 31 prompts of up to 100 tokens at once.
     tight = LLM(str(llama_dir), dtype="float32", kv_cache_memory=small_cache_bytes(llm, 12))
     preempted = tight.generate(prompts, GREEDY, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions_total > 0
+    assert tight.engine.core.scheduler.num_preemptions_total > 0
     assert [o.outputs[0].token_ids for o in preempted] == batched
     for form in ("static", "dynamic"):
         other = LLM(str(llama_dir), dtype="float32", batching=form, max_batch_size=8)
@@ -78,11 +78,11 @@ def test_same_output_alone_batched_chunked_and_preempted(llama_dir, llm):
 def small_cache_bytes(llm, num_blocks: int) -> int:
     from batchinfer.runner.kv_cache import bytes_per_block
 
-    return num_blocks * bytes_per_block(llm.engine.spec, 16, torch.float32)
+    return num_blocks * bytes_per_block(llm.engine.worker.spec, 16, torch.float32)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llm):
-    prompts = random_prompts(9, llm.engine.spec.vocab_size, seed=3)
+    prompts = random_prompts(9, llm.engine.processor.vocab_size, seed=3)
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     alone = llm.generate([prompts[4]], params, use_tqdm=False)[0].outputs[0].token_ids
     unseeded = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
@@ -93,7 +93,7 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
 
 
 def test_results_keep_input_order_and_shape(llm):
-    prompts = random_prompts(5, llm.engine.spec.vocab_size, seed=4)
+    prompts = random_prompts(5, llm.engine.processor.vocab_size, seed=4)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (5, 1, 9, 3, 7)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 1, 9, 3, 7]
@@ -109,15 +109,15 @@ def test_n_logprobs_and_stop_strings(llm):
     )[0].outputs[0]
     assert base.text == llm.tokenizer.decode(base.token_ids, skip_special_tokens=True)
     # Stop on a piece of the greedy text: the output is cut right before it.
-    stop = base.text[len(base.text) // 2 :][:3]
-    if stop.strip():
-        cut = llm.generate(
-            text_prompt,
-            SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True),
-            use_tqdm=False,
-        )[0]
-        assert cut.outputs[0].text == base.text[: base.text.find(stop)]
-        assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    start = next(i for i in range(len(base.text) // 2, len(base.text)) if base.text[i].strip())
+    stop = base.text[start : start + 3]
+    cut = llm.generate(
+        text_prompt,
+        SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert cut.outputs[0].text == base.text[: base.text.find(stop)]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     params = SamplingParams(
         n=2, max_tokens=8, temperature=1.0, seed=11, logprobs=3, ignore_eos=True
     )

@@ -58,7 +58,7 @@ def run_to_end(sched: Scheduler, config: EngineConfig, max_steps: int = 10_000, 
             clock.now += 0.001
             continue
         for upd in sched.update_from_output(out, runner.execute(out)):
-            outputs.setdefault(upd.request.request_id, []).extend(upd.new_token_ids)
+            outputs.setdefault(upd.request_id, []).extend(upd.new_token_ids)
         sched.block_manager.check_invariants()
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
@@ -241,7 +241,7 @@ def test_abort_frees_blocks_and_reports_to_runner():
     sched.update_from_output(out, runner.execute(out))
     assert sched.block_manager.num_used_blocks > 0
     aborted = sched.finish_request("r0", RequestStatus.FINISHED_ABORTED)
-    assert aborted is not None and aborted.status.finish_reason == "abort"
+    assert aborted is not None and aborted.finish_reason == "abort" and aborted.finished
     assert sched.block_manager.block_table("r0") == []
     assert sched.finish_request("r1", RequestStatus.FINISHED_ABORTED) is not None
     assert sched.block_manager.num_free_blocks == 50

@@ -18,6 +18,7 @@ import uvicorn
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.core.config import EngineConfig
+from batchinfer.server import serving
 from batchinfer.server.app import ServerConfig, build_app
 from tests.tiny_models import make_tiny_llama
 
@@ -183,7 +184,8 @@ def test_stop_string(client, offline):
         .outputs[0]
         .text
     )
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    start = next(i for i in range(len(text) // 2, len(text)) if text[i].strip())
+    stop = text[start : start + 2]
     for stream in (False, True):
         response = client.completions.create(
             model="tiny",
@@ -197,6 +199,33 @@ def test_stop_string(client, offline):
         choices = [c.choices[0] for c in response] if stream else response.choices
         assert "".join(c.text for c in choices) == text[: text.find(stop)]
         assert choices[-1].finish_reason == "stop"
+
+
+def test_long_stream_hands_each_token_text_to_the_writer_once(tmp_path, monkeypatch):
+    """2,000 streamed tokens: the SSE writer gets each token's text once (linear work on the
+    event loop; cumulative outputs would hand it ~2,000 x the text)."""
+    model = str(make_tiny_llama(tmp_path, max_position_embeddings=2048))
+    handed = {"chars": 0, "tokens": 0}
+    chunks = serving._Renderer.chunks
+
+    def counting(self, event):
+        for completion in event[1].outputs:
+            handed["chars"] += len(completion.text)
+            handed["tokens"] += len(completion.token_ids)
+        return chunks(self, event)
+
+    monkeypatch.setattr(serving._Renderer, "chunks", counting)
+    with run_server(build_app(EngineConfig.from_kwargs(model=model, **ENGINE))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model="default", prompt="hello", max_tokens=2000,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        chunks_read = list(stream)
+    text = "".join(chunk.choices[0].text for chunk in chunks_read if chunk.choices)
+    assert chunks_read[-1].usage.completion_tokens == 2000
+    assert len(text) > 2000 // 4  # the tiny model's tokens are bytes to words
+    assert handed == {"chars": len(text), "tokens": 2000}
 
 
 def test_seed_reproducible_and_n2(client):
@@ -331,7 +360,7 @@ def test_disconnects_free_kv_blocks(base_url):
 
 def test_failing_request_fails_alone_with_500(served):
     base_url, app = served
-    runner = app.state.server.llm.engine.runner
+    runner = app.state.server.llm.engine.core.runner
     execute = runner.execute
 
     def poisoned(scheduler_output):

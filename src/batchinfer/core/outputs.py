@@ -1,14 +1,18 @@
-"""The two dataclasses that cross the core <-> runner boundary.
+"""The plain records that cross the engine's boundaries.
 
-`SchedulerOutput` goes down to the runner; `ModelRunnerOutput` comes back up to
-`Scheduler.update_from_output()`. The runner never sees a live `Request`; the scheduler never
-sees a tensor.
+- core <-> runner: `SchedulerOutput` goes down to the runner; `ModelRunnerOutput` comes back up
+  to `Scheduler.update_from_output()`. The runner never sees a live `Request`; the scheduler
+  never sees a tensor.
+- engine thread -> consumers: `EngineCoreOutput` (one per sequence that changed in a step) and
+  `SchedulerStats` (one per step). They hold only values copied out of the scheduler's state,
+  so another thread may read them while the engine thread goes on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchinfer.core.request import FinishReason
 from batchinfer.core.sampling_params import SamplingParams
 
 
@@ -29,7 +33,7 @@ class ScheduledSequence:
     sample: bool
     sampling_params: SamplingParams
     num_prompt_tokens: int
-    # Prompt + output tokens so far; only filled when `sample` and penalties need it.
+    # Prompt + output tokens so far; only filled when `sample` and a penalty needs them.
     all_token_ids: list[int] | None = None
     # Index of the token about to be sampled (== number of output tokens so far): with `seed`,
     # the runner derives this step's random stream from (seed, sample_index), so a preempted and
@@ -84,3 +88,42 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step changed for one sequence (scheduler id), as plain values.
+
+    `new_token_ids` / `new_logprobs` are this step's tokens only. `finish_reason` is set once,
+    on the sequence's last output; `error` says why the engine failed it (finish reason ABORT).
+    The timestamps are the engine clock's (seconds), copied from the sequence's metrics.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """The scheduler's state after one step, for metrics and logs."""
+
+    time_s: float  # engine clock when the step's tokens were recorded
+    num_scheduled_tokens: int  # tokens computed in the step (0: no step ran)
+    num_scheduled_seqs: int  # sequences in the step
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    num_preemptions_total: int

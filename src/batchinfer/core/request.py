@@ -43,14 +43,29 @@ _FINISH_REASONS = {
 
 
 @dataclass(slots=True)
-class RequestTimings:
-    """Monotonic timestamps in seconds; None until the event happens."""
+class RequestMetrics:
+    """Monotonic timestamps (seconds; None until the event happens) and the preemption count of
+    one request. The scheduler keeps one per sequence; the output processor one per request,
+    filled from the plain values each `EngineCoreOutput` carries."""
 
     arrival_s: float
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
     finished_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_s is None:
+            return None
+        return self.first_scheduled_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.arrival_s
 
 
 @dataclass(slots=True)
@@ -63,18 +78,16 @@ class Request:
     sampling_params: SamplingParams
     arrival_s: float
     eos_token_ids: frozenset[int] = frozenset()
-    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_preemptions: int = 0
     # Token id (from stop_token_ids or EOS) that stopped the request, or a stop string set by the
     # engine's detokenizer.
     stop_reason: int | str | None = None
-    timings: RequestTimings = field(init=False)
+    metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.timings = RequestTimings(arrival_s=self.arrival_s)
+        self.metrics = RequestMetrics(arrival_s=self.arrival_s)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,6 +100,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.metrics.num_preemptions
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,27 +17,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from batchinfer.core.block_manager import BlockManager, cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import (
+    EngineCoreOutput,
     ModelRunnerOutput,
     ScheduledSequence,
     SchedulerOutput,
+    SchedulerStats,
     TokenLogprobs,
 )
 from batchinfer.core.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step changed for one request: its new tokens and whether it finished."""
-
-    request: Request
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
 
 
 class Scheduler:
@@ -85,9 +76,14 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(
-        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
-    ) -> Request | None:
-        """End a request (abort, stop string) wherever it is; returns it, or None if unknown."""
+        self,
+        request_id: str,
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+    ) -> EngineCoreOutput | None:
+        """End a request (abort, stop string, failure) wherever it is; returns its last output
+        (no new tokens), or None if it is unknown or already finished."""
         if not status.is_finished:
             raise RuntimeError(f"finish_request needs a finished status, got {status!r}")
         request = self.requests.get(request_id)
@@ -99,7 +95,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.stop_reason = stop_reason if stop_reason is not None else request.stop_reason
         self._finish(request, status)
-        return request
+        return self._output(request, [], [], error)
 
     def close_input(self) -> None:
         """No more requests will come: the static form may run a partial last batch."""
@@ -136,11 +132,14 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestUpdate]:
-        """Record computed tokens and sampled ones; finish requests that hit a stop condition."""
+    ) -> list[EngineCoreOutput]:
+        """Record computed tokens and sampled ones; finish requests that hit a stop condition.
+        Returns one output per sequence that gained a token (a sequence the runner failed has
+        `None` for its token and is left to the caller)."""
         now = self.clock()
         logprobs = runner_output.logprobs or [None] * len(scheduler_output.sequences)
-        updates = []
+        outputs = []
+        finished: list[Request] = []
         for seq, token_id, token_logprobs in zip(
             scheduler_output.sequences, runner_output.sampled_token_ids, logprobs, strict=True
         ):
@@ -151,22 +150,56 @@ class Scheduler:
             if token_id is None:
                 continue
             request.output_token_ids.append(token_id)
-            if request.timings.first_token_s is None:
-                request.timings.first_token_s = now
-            request.timings.last_token_s = now
+            metrics = request.metrics
+            if metrics.first_token_s is None:
+                metrics.first_token_s = now
+            metrics.last_token_s = now
             status = self._stop_status(request, token_id)
             if status is not None:
-                self.running.remove(request)
+                finished.append(request)
                 self._finish(request, status)
-            updates.append(
-                RequestUpdate(
-                    request,
-                    [token_id],
-                    [token_logprobs] if token_logprobs is not None else [],
-                    finished=status is not None,
-                )
+            outputs.append(
+                self._output(request, [token_id], [token_logprobs] if token_logprobs else [])
             )
-        return updates
+        if finished:
+            # One pass instead of one `list.remove` per finished request.
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
+        return outputs
+
+    def stats(self, scheduler_output: SchedulerOutput | None = None) -> SchedulerStats:
+        """The state after the step that ran `scheduler_output` (None: no step ran)."""
+        return SchedulerStats(
+            time_s=self.clock(),
+            num_scheduled_tokens=scheduler_output.num_scheduled_tokens if scheduler_output else 0,
+            num_scheduled_seqs=len(scheduler_output.sequences) if scheduler_output else 0,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions_total=self.num_preemptions_total,
+        )
+
+    @staticmethod
+    def _output(
+        request: Request,
+        new_token_ids: list[int],
+        new_logprobs: list[TokenLogprobs],
+        error: str | None = None,
+    ) -> EngineCoreOutput:
+        metrics = request.metrics
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            error=error,
+            num_preemptions=metrics.num_preemptions,
+            first_scheduled_s=metrics.first_scheduled_s,
+            first_token_s=metrics.first_token_s,
+            last_token_s=metrics.last_token_s,
+            finished_s=metrics.finished_s,
+        )
 
     # ----------------------------------------------------------------- admission
     def _admit_batch(self) -> None:
@@ -213,8 +246,8 @@ class Scheduler:
 
     def _start(self, request: Request, now: float) -> None:
         request.status = RequestStatus.RUNNING
-        if request.timings.first_scheduled_s is None:
-            request.timings.first_scheduled_s = now
+        if request.metrics.first_scheduled_s is None:
+            request.metrics.first_scheduled_s = now
         self.running.append(request)
 
     # ----------------------------------------------------------------- running + preemption
@@ -251,7 +284,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         self._left_ids.append(request.request_id)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.metrics.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -259,10 +292,17 @@ class Scheduler:
     def _sequence(self, request: Request, num_new: int, table: list[int]) -> ScheduledSequence:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
-        if start >= request.num_prompt_tokens:
-            token_ids = request.output_token_ids[start - request.num_prompt_tokens :][:num_new]
-        else:
+        num_prompt = request.num_prompt_tokens
+        if start >= num_prompt:
+            offset = start - num_prompt
+            token_ids = request.output_token_ids[offset : offset + num_new]
+        elif start + num_new <= num_prompt:
+            token_ids = request.prompt_token_ids[start : start + num_new]
+        else:  # a recomputed request: prompt tail + the output it had produced
             token_ids = request.all_token_ids[start : start + num_new]
+        # The token history goes down only when a penalty reads it: copying prompt + output
+        # for every sequence every step would make host work quadratic in the output length.
+        history = sample and request.sampling_params.needs_penalties
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=token_ids,
@@ -271,7 +311,7 @@ class Scheduler:
             sample=sample,
             sampling_params=request.sampling_params,
             num_prompt_tokens=request.num_prompt_tokens,
-            all_token_ids=request.all_token_ids if sample else None,
+            all_token_ids=request.all_token_ids if history else None,
             sample_index=request.num_output_tokens,
         )
 
@@ -295,5 +335,5 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         self._left_ids.append(request.request_id)
         request.status = status
-        request.timings.finished_s = self.clock()
+        request.metrics.finished_s = self.clock()
         del self.requests[request.request_id]

@@ -1,16 +1,17 @@
 """`AsyncLLM`: the generative engine behind an asyncio event loop (what the server runs).
 
-Two threads, one job each:
-- the **engine thread** owns the scheduler and the runner. Between steps it applies the commands
-  queued for it (add, abort, stop-string finish), then runs `schedule -> execute ->
-  update_from_output` and hands the step's `RequestUpdate`s and stats to the event loop with
+Two threads, one job each (docs/architecture.md has the map):
+- the **engine thread** owns the `EngineCore` (scheduler + runner). Between steps it applies the
+  commands queued for it (add, finish), then runs `EngineCore.step()` and hands the step's
+  plain `EngineCoreOutput`s and `SchedulerStats` to the event loop with
   `call_soon_threadsafe`. When nothing can run it blocks on its command queue (with the dynamic
   form, until the next batch is due): no busy loop.
-- the **event loop** owns an `OutputProcessor`: it detokenizes, finds stop strings (sending the
-  finish back as a command) and feeds one output stream per request.
+- the **event loop** owns the `OutputProcessor`: it detokenizes, finds stop strings (sending
+  the finish back as a command) and feeds one output stream per request. Prompts are
+  tokenized and validated by the `Processor` on a worker thread, off the loop.
 
-Invariant: only the engine thread touches the scheduler. A `Request` built on the loop is handed
-over in an add command and read on the loop afterwards only through the updates that carry it.
+Invariant: only the engine thread touches the engine core; only the loop touches the output
+processor and the streams. What crosses between them is plain data.
 """
 
 from __future__ import annotations
@@ -19,20 +20,19 @@ import asyncio
 import logging
 import queue
 import threading
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchinfer.core.config import EngineConfig
-from batchinfer.core.outputs import SchedulerOutput
+from batchinfer.core.outputs import EngineCoreOutput, SchedulerStats
 from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.sampling_params import SamplingParams
-from batchinfer.core.scheduler import RequestUpdate
-from batchinfer.engine.inputs import Prompt, tokenize_prompt
+from batchinfer.engine.inputs import Prompt
 from batchinfer.engine.llm_engine import LLMEngine
-from batchinfer.engine.output_processor import OutputProcessor
-from batchinfer.engine.outputs import RequestOutput
+from batchinfer.engine.outputs import RequestOutput, RequestOutputKind, RequestStats
+from batchinfer.engine.processor import EngineRequest
+from batchinfer.engine.stream import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -53,31 +53,18 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shut down, or a broken invariant); nothing more runs."""
 
 
-@dataclass(slots=True)
-class StepStats:
-    """The engine's state after one step (or after commands changed it), for metrics."""
-
-    time_s: float  # engine clock when the step's tokens were recorded
-    num_scheduled_tokens: int  # tokens computed in the step (0: no step ran)
-    num_scheduled_seqs: int  # sequences in the step
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
-    num_preemptions_total: int
-
-
 class StatLogger(Protocol):
     """Receives engine stats on the event loop (see `server.metrics.ServerMetrics`)."""
 
-    def record_step(self, stats: StepStats) -> None: ...
+    def record_step(self, stats: SchedulerStats) -> None: ...
 
-    def record_outputs(self, outputs: list[RequestOutput], now_s: float) -> None: ...
+    def record_requests(self, stats: list[RequestStats], now_s: float) -> None: ...
 
 
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    requests: list[Request]
+    sequences: list[Request]
 
 
 @dataclass(slots=True)
@@ -93,53 +80,19 @@ _Command = _Add | _Finish | object
 
 @dataclass(slots=True)
 class _StepResult:
-    """What the engine thread hands to the loop after a step."""
+    """What the engine thread hands to the loop after a step (or after commands)."""
 
-    updates: list[RequestUpdate]
-    stats: StepStats
-    failed: dict[str, str] = field(default_factory=dict)  # child id -> message
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
     rejected: list[tuple[str, Exception]] = field(default_factory=list)  # request id -> error
-
-
-class _Stream:
-    """The latest undelivered output of one request, or its error. A reader that lags gets one
-    merged output (text is cumulative; `new_token_ids` are joined), never a growing backlog."""
-
-    __slots__ = ("error", "output", "_event")
-
-    def __init__(self) -> None:
-        self.output: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self._event = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self.output is not None:
-            merged = self.output.new_token_ids
-            for index, ids in output.new_token_ids.items():
-                merged[index] = merged.get(index, []) + ids
-            output.new_token_ids = merged
-        self.output = output
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self._event.set()
-
-    async def get(self) -> RequestOutput:
-        while self.output is None and self.error is None:
-            self._event.clear()
-            await self._event.wait()
-        if self.output is not None:
-            output, self.output = self.output, None
-            return output
-        raise self.error  # type: ignore[misc]
 
 
 class AsyncLLM:
     """`async for output in llm.generate(prompt, params, request_id): ...` on an event loop.
 
-    Outputs are `RequestOutput`s with cumulative text, as `LLM.generate` returns them; the last
-    has `finished=True`. Leaving the loop early (or a cancelled task) aborts the request.
+    Outputs are `RequestOutput`s of the kind asked for: DELTA by default (each carries only
+    what is new: what a stream sends), FINAL_ONLY for one output at the end; the last has
+    `finished=True`. Leaving the loop early (or a cancelled task) aborts the request.
     `max_num_queued_requests` bounds the scheduler's waiting queue: a request beyond it fails
     with `QueueFullError` and nothing already queued is dropped.
     """
@@ -154,18 +107,17 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.max_num_queued_requests = max_num_queued_requests
         self.stat_loggers: list[StatLogger] = []
-        self._output_processor = OutputProcessor(engine.tokenizer)
+        self._core = engine.core  # engine thread only
+        self._output_processor = engine.output_processor  # event loop only
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._parent_of: dict[str, str] = {}  # child (sequence) id -> request id
-        self._child_ids: dict[str, list[str]] = {}  # request id -> its child ids
+        self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: EngineDeadError | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: int | None) -> AsyncLLM:
-        return cls(LLMEngine(config), **kwargs)
+        return cls(LLMEngine.from_config(config), **kwargs)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -197,47 +149,47 @@ class AsyncLLM:
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) as the engine will see them; `ValueError` if bad."""
-        return tokenize_prompt(self.tokenizer, prompt, self.engine.spec.vocab_size)
+        return self.engine.processor.tokenize(prompt)
 
-    def add_request(
+    async def process(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: int = 0,
-    ) -> str:
-        """Tokenize and queue a request (on the loop); returns its id. Bad input raises
-        `ValueError` here; a queue-full or too-long request fails its stream."""
+    ) -> EngineRequest:
+        """Tokenize and validate a request on a worker thread (not queued yet); `ValueError`
+        names what is wrong."""
+        return await asyncio.to_thread(
+            self.engine.processor.process, prompt, params, request_id
+        )
+
+    def add_processed(
+        self, request: EngineRequest, kind: RequestOutputKind = RequestOutputKind.DELTA
+    ) -> OutputStream:
+        """Queue a processed request (on the loop); returns its stream. A duplicate id raises
+        `ValueError` here; a queue-full or unfittable request fails its stream."""
         if self._dead is not None:
             raise self._dead
         self.start()
-        params = params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self.tokenize(prompt)
-        arrival_s = self.engine.clock()
-        child_ids = self._output_processor.add_request(
-            request_id, text, token_ids, params, arrival_s
-        )
-        requests = self.engine.make_requests(child_ids, token_ids, params, arrival_s, priority)
-        self._streams[request_id] = _Stream()
-        self._parent_of.update(dict.fromkeys(child_ids, request_id))
-        self._child_ids[request_id] = child_ids
-        self._commands.put(_Add(request_id, requests))
-        return request_id
+        self._output_processor.add_request(request, kind)
+        stream = self._streams[request.request_id] = OutputStream(kind)
+        self._commands.put(_Add(request.request_id, request.sequences))
+        return stream
 
     async def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | EngineRequest,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: int = 0,
+        kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs until it finishes. Raises `ValueError` (bad input or a
-        prompt that can never fit), `QueueFullError`, `RequestFailedError`, `EngineDeadError`."""
-        request_id = self.add_request(prompt, params, request_id, priority)
-        stream = self._streams[request_id]
+        """Stream a request's outputs until it finishes. `prompt` may be a request `process`
+        built already. Raises `ValueError` (bad input or a prompt that can never fit),
+        `QueueFullError`, `RequestFailedError`, `EngineDeadError`."""
+        request = prompt
+        if not isinstance(request, EngineRequest):
+            request = await self.process(prompt, params, request_id)  # type: ignore[arg-type]
+        stream = self.add_processed(request, kind)
         finished = False
         try:
             while not finished:
@@ -246,7 +198,7 @@ class AsyncLLM:
                 yield output
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is: its stream ends with finish_reason "abort" and its KV
@@ -255,53 +207,54 @@ class AsyncLLM:
         if not child_ids:
             return
         self._commands.put(_Finish(child_ids, RequestStatus.FINISHED_ABORTED))
-        final = self._output_processor.abort(request_id)
-        if final is not None:
-            self._deliver([final], self.engine.clock())
+        processed = self._output_processor.abort(request_id)
+        self._deliver(processed.outputs)
+        self._record(processed.stats)
 
     # ----------------------------------------------------------------- event-loop side
     def _on_step(self, result: _StepResult) -> None:
         for request_id, error in result.rejected:
             self._fail(request_id, error, record=False)
-        outputs, stops = self._output_processor.process(result.updates)
-        for child_id, stop_string in stops:
+        processed = self._output_processor.process(result.outputs)
+        for child_id, stop_string in processed.stopped:
             self._commands.put(_Finish([child_id], RequestStatus.FINISHED_STOPPED, stop_string))
-        self._deliver(outputs, result.stats.time_s)
-        for child_id, message in result.failed.items():
-            request_id = self._parent_of.get(child_id)
-            if request_id is not None:
-                self._fail(request_id, RequestFailedError(request_id, message), record=True)
+        if processed.to_abort:
+            self._commands.put(_Finish(processed.to_abort, RequestStatus.FINISHED_ABORTED))
+        for request_id, message in processed.failed.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(RequestFailedError(request_id, message))
+        self._deliver(processed.outputs)
         for stat_logger in self.stat_loggers:
             stat_logger.record_step(result.stats)
+        self._record(processed.stats, result.stats.time_s)
 
-    def _deliver(self, outputs: list[RequestOutput], now_s: float) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
             if output.finished:
-                self._forget(output.request_id)
+                self._streams.pop(output.request_id, None)
+
+    def _record(self, stats: list[RequestStats], now_s: float | None = None) -> None:
+        if not stats:
+            return
+        now_s = self.engine.clock() if now_s is None else now_s
         for stat_logger in self.stat_loggers:
-            stat_logger.record_outputs(outputs, now_s)
+            stat_logger.record_requests(stats, now_s)
 
     def _fail(self, request_id: str, error: BaseException, record: bool) -> None:
-        """End a request with an error: its other sequences are aborted, its stream raises."""
+        """End a request with an error: its sequences are aborted, its stream raises."""
         child_ids = self._output_processor.child_ids(request_id)
         if child_ids:
             self._commands.put(_Finish(child_ids, RequestStatus.FINISHED_ABORTED))
-        final = self._output_processor.abort(request_id)
-        stream = self._streams.get(request_id)
-        self._forget(request_id)
+        processed = self._output_processor.abort(request_id)
+        stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.fail(error)
-        if record and final is not None:
-            for stat_logger in self.stat_loggers:
-                stat_logger.record_outputs([final], self.engine.clock())
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        for child_id in self._child_ids.pop(request_id, ()):
-            self._parent_of.pop(child_id, None)
+        if record:
+            self._record(processed.stats)
 
     def _mark_dead(self, error: EngineDeadError) -> None:
         if self._dead is None:
@@ -316,19 +269,19 @@ class AsyncLLM:
     # ----------------------------------------------------------------- engine-thread side
     def _engine_loop(self) -> None:
         """Commands, then a step; block on the command queue while nothing can run."""
-        engine = self.engine
+        core = self._core
         idle = False
         try:
             while True:
                 rejected, changed, stop = self._apply_commands(block=idle)
                 if stop:
                     return
-                scheduler_output, updates, failed = engine.step_core()
-                idle = scheduler_output.is_empty
-                if idle and not (changed or failed):
+                outputs = core.step()
+                last = core.last_scheduler_output
+                idle = last is None or last.is_empty
+                if idle and not (changed or outputs):
                     continue
-                result = _StepResult(updates, self._stats(scheduler_output), failed, rejected)
-                if not self._post(self._on_step, result):
+                if not self._post(self._on_step, _StepResult(outputs, core.stats(), rejected)):
                     return
         except BaseException as exc:  # a broken invariant: every request must hear of it
             self._post(self._on_engine_dead, exc)
@@ -354,10 +307,7 @@ class AsyncLLM:
                 if error is not None:
                     rejected.append((command.request_id, error))
             elif isinstance(command, _Finish):
-                for child_id in command.child_ids:
-                    self.engine.scheduler.finish_request(
-                        child_id, command.status, command.stop_reason
-                    )
+                self._core.finish(command.child_ids, command.status, command.stop_reason)
             command = self._next_command(block=False)
         return rejected, changed, False
 
@@ -365,38 +315,21 @@ class AsyncLLM:
         try:
             if not block:
                 return self._commands.get_nowait()
-            due_s = self.engine.scheduler.next_dispatch_s()
-            timeout_s = None if due_s is None else max(0.0, due_s - self.engine.clock())
+            due_s = self._core.next_dispatch_s()
+            timeout_s = None if due_s is None else max(0.0, due_s - self._core.clock())
             return self._commands.get(timeout=timeout_s)
         except queue.Empty:
             return None
 
     def _admit(self, command: _Add) -> Exception | None:
-        scheduler = self.engine.scheduler
         limit = self.max_num_queued_requests
-        if limit is not None and scheduler.num_waiting >= limit:
+        if limit is not None and self._core.num_waiting >= limit:
             return QueueFullError(
                 f"the server's queue is full ({limit} waiting requests); retry later"
             )
-        added: list[str] = []
         try:
-            for request in command.requests:
-                scheduler.add_request(request)
-                added.append(request.request_id)
+            self._core.add_requests(command.sequences)
         except ValueError as exc:
-            for child_id in added:
-                scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             return exc
         return None
 
-    def _stats(self, scheduler_output: SchedulerOutput) -> StepStats:
-        scheduler = self.engine.scheduler
-        return StepStats(
-            time_s=self.engine.clock(),
-            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
-            num_scheduled_seqs=len(scheduler_output.sequences),
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            kv_cache_usage=scheduler.block_manager.usage,
-            num_preemptions_total=scheduler.num_preemptions_total,
-        )

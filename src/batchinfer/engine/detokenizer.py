@@ -1,4 +1,9 @@
-"""Incremental detokenization that never emits broken UTF-8, and stop-string matching."""
+"""Incremental detokenization that never emits broken UTF-8, and stop-string matching.
+
+Host work per sequence grows linearly with its output: each token decodes a window of a few
+tokens, stop strings are searched in the new text plus a short tail, and text is handed out as
+deltas (`take_delta`) without rebuilding what was already sent.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +19,12 @@ class IncrementalDetokenizer:
 
     Decodes a small window `[prefix_offset:]` and emits only what extends the window's previous
     text; a trailing U+FFFD (an incomplete multi-byte character) is held until the next token
-    completes it. Stop strings are searched in the new tail only; `text` is what may be shown:
-    while the request runs, a suffix that could still become a stop string is held back.
+    completes it. While the sequence runs, the last `len(longest stop string) - 1` characters
+    are held back (they could still become a stop string), so a stop string is never shown.
+
+    Text lives in two parts: `_sent` (pieces already handed out by `take_delta`) and `_unsent`
+    (the rest, at most the held-back tail plus what arrived since the last take). A stop string
+    can only start inside `_unsent`, so the search and the cut never touch `_sent`.
     """
 
     def __init__(
@@ -33,9 +42,10 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop_str = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        self.full_text = ""
         self.stop_string: str | None = None
         self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._sent: list[str] = []
+        self._unsent = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -44,6 +54,8 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string if one now appears (text is cut there)."""
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
+            if self.prefix_offset > 4 * _CONTEXT_TOKENS:
+                self._trim()
             prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
             new_text = self._decode(self.token_ids[self.prefix_offset :])
             if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -51,11 +63,18 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
-            search_from = max(0, len(self.full_text) - self._holdback)
-            self.full_text += delta
-            if self._find_stop(search_from):
+            search_from = max(0, len(self._unsent) - self._holdback)
+            self._unsent += delta
+            if self.stop and self._find_stop(search_from):
                 return self.stop_string
         return None
+
+    def _trim(self) -> None:
+        # Tokens before the decode window are never read again: drop them so the list stays
+        # short (a long run of undecodable bytes still keeps its whole window).
+        del self.token_ids[: self.prefix_offset]
+        self.read_offset -= self.prefix_offset
+        self.prefix_offset = 0
 
     def flush(self) -> None:
         """At the end, emit what was held back waiting for more bytes (as U+FFFD), so the final
@@ -65,24 +84,33 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text):
-            self.full_text += new_text[len(prefix_text) :]
+            self._unsent += new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset = len(self.token_ids)
 
     def _find_stop(self, search_from: int) -> bool:
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.full_text.find(s, search_from)
+            i = self._unsent.find(s, search_from)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
         i, s = best
-        self.full_text = self.full_text[: i + len(s)] if self.include_stop_str else self.full_text[:i]
+        self._unsent = self._unsent[: i + len(s)] if self.include_stop_str else self._unsent[:i]
         self.stop_string = s
         return True
 
-    def visible_text(self, finished: bool) -> str:
-        """Text safe to show now: everything once finished, else minus a possible stop prefix."""
-        if finished or not self.stop:
-            return self.full_text
-        return self.full_text[: max(0, len(self.full_text) - self._holdback)]
+    def take_delta(self, finished: bool) -> str:
+        """The text that became visible since the last call: everything once `finished`, else
+        all but the held-back tail."""
+        end = len(self._unsent) if finished else max(0, len(self._unsent) - self._holdback)
+        if end == 0:
+            return ""
+        delta, self._unsent = self._unsent[:end], self._unsent[end:]
+        self._sent.append(delta)
+        return delta
+
+    def text(self, finished: bool) -> str:
+        """The whole visible text (for cumulative outputs; costs a join of everything)."""
+        self.take_delta(finished)
+        return "".join(self._sent)

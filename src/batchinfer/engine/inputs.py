@@ -34,7 +34,7 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> tuple[st
     if is_chat(prompt):
         return _render_chat(tokenizer, prompt)  # type: ignore[arg-type]
     if is_token_ids(prompt):
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids: list[int] = [int(t) for t in prompt]  # type: ignore[arg-type]
         if not ids:
             raise ValueError("prompt must not be empty")
         bad = [t for t in ids if not 0 <= t < vocab_size]

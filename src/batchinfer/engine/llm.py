@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.sampling_params import SamplingParams
-from batchinfer.engine.inputs import Chat, Prompt, is_chat, is_token_ids, tokenize_prompt
+from batchinfer.engine.inputs import Chat, Prompt, is_chat, is_token_ids
 from batchinfer.engine.llm_engine import LLMEngine
-from batchinfer.engine.outputs import RequestOutput
+from batchinfer.engine.outputs import RequestOutput, RequestOutputKind
+from batchinfer.engine.processor import EngineRequest
 
 
 class LLM:
@@ -23,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **engine_knobs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_knobs))
+        self.engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **engine_knobs))
 
     @property
     def tokenizer(self) -> Any:
@@ -35,20 +36,28 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list: strings, token-id lists or chat message lists."""
+        """Generate for one prompt or a list: strings, token-id lists or chat message lists.
+
+        Results come in input order. A request the engine failed (the runner raised on it,
+        alone) comes back finished with reason "abort" and `error` set; the others are exact.
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         engine = self.engine
-        # Tokenize everything first so a bad prompt raises before anything is queued.
-        tokenized = [_tokenize(engine, p, i) for i, p in enumerate(prompt_list)]
+        # Process everything first so a bad prompt raises before anything is queued.
+        requests = [
+            _process(engine, prompt, params, i)
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
+        ]
         request_ids: list[str] = []
-        for i, ((text, ids), params) in enumerate(zip(tokenized, params_list, strict=True)):
+        for i, request in enumerate(requests):
             try:
-                request_ids.append(engine.add_tokenized(text, ids, params))
+                engine.add_processed(request, RequestOutputKind.FINAL_ONLY)
             except ValueError as exc:
                 for request_id in request_ids:  # all or nothing: leave no stray work queued
                     engine.abort_request(request_id)
                 raise ValueError(f"prompts[{i}]: {exc}") from None
+            request_ids.append(request.request_id)
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -58,14 +67,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (the model's chat template)."""
-        chats = [messages] if is_chat(messages) else list(messages)  # type: ignore[list-item]
+        chats = [messages] if is_chat(messages) else list(messages)
         return self.generate(chats, sampling_params, use_tqdm)  # type: ignore[arg-type]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        engine.scheduler.close_input()  # the static form may run its last, partial batch
+        engine.core.close_input()  # the static form may run its last, partial batch
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
         num_tokens = 0
         try:
@@ -78,14 +87,16 @@ class LLM:
                         elapsed = max(bar.format_dict["elapsed"], 1e-9)
                         bar.set_postfix(out_tok_s=f"{num_tokens / elapsed:.1f}")
         finally:
-            engine.scheduler.input_closed = False
+            engine.core.close_input(False)
             bar.close()
         return [results[rid] for rid in request_ids]
 
 
-def _tokenize(engine: LLMEngine, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+def _process(
+    engine: LLMEngine, prompt: Prompt, params: SamplingParams, index: int
+) -> EngineRequest:
     try:
-        return tokenize_prompt(engine.tokenizer, prompt, engine.spec.vocab_size)
+        return engine.processor.process(prompt, params)
     except ValueError as exc:
         raise ValueError(f"prompts[{index}]: {exc}") from None
 
@@ -97,7 +108,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]  # type: ignore[list-item]
     if not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a string or a list, got {type(prompts).__name__}")
-    return list(prompts)
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _as_params_list(

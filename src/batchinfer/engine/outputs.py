@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
 
 from batchinfer.core.outputs import TokenLogprobs
+from batchinfer.core.request import RequestMetrics
+
+__all__ = [
+    "CompletionOutput",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestStats",
+]
+
+
+class RequestOutputKind(Enum):
+    """What each `RequestOutput` of a request carries (vLLM's names).
+
+    CUMULATIVE: after every step, everything so far (text, token ids, logprobs).
+    DELTA: after every step that changed it, only what is new (what a stream sends).
+    FINAL_ONLY: one output, everything, when the request finishes (what `LLM.generate` and
+    non-streamed server requests need; the cheapest).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One generated sequence (`index` among the request's `n`). `text` is cumulative."""
+    """One generated sequence (`index` among the request's `n`). `text`, `token_ids` and
+    `logprobs` are everything so far, or only the new part for `RequestOutputKind.DELTA`;
+    `cumulative_logprob` is always the total."""
 
     index: int
     text: str
@@ -24,32 +50,9 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
-class RequestMetrics:
-    """Monotonic timestamps (seconds) and counts of one request; for metrics and benchmarks."""
-
-    arrival_s: float
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    finished_s: float | None = None
-    num_preemptions: int = 0
-
-    @property
-    def queue_time_s(self) -> float | None:
-        if self.first_scheduled_s is None:
-            return None
-        return self.first_scheduled_s - self.arrival_s
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.first_token_s is None:
-            return None
-        return self.first_token_s - self.arrival_s
-
-
-@dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step: all its `n` sequences so far, `finished` when all are."""
+    """A request after a step: its `n` sequences (for DELTA, only those that changed),
+    `finished` when all are. `error` says why the engine failed it (finish reason "abort")."""
 
     request_id: str
     prompt: str | None
@@ -57,8 +60,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
-    # Token ids each sequence gained in this step, by index (for streaming consumers).
-    new_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,3 +69,18 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """What one step (or an abort) did to one request, whatever its output kind: for metrics.
+
+    `metrics` is the request's own record (read it on the thread that processes outputs);
+    `finish_reasons` (one per sequence) is set on the request's last stats.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    num_new_tokens: int
+    metrics: RequestMetrics
+    finish_reasons: list[str] | None = None

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchinfer import __version__
 from batchinfer.core.config import EngineConfig
+from batchinfer.core.validation import check_int
 from batchinfer.engine.async_llm import AsyncLLM
 from batchinfer.server.errors import APIError, error_response, install_error_handlers
 from batchinfer.server.metrics import ServerMetrics
@@ -52,10 +53,8 @@ class ServerConfig:
     embedding_model: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_queued_requests", "max_request_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int("max_num_queued_requests", self.max_num_queued_requests)
+        check_int("max_request_bytes", self.max_request_bytes)
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
 
@@ -107,7 +106,7 @@ class ServerState:
             llm.stat_loggers.append(self.metrics)
             llm.start()
             self.llm = llm
-            name = self.config.served_model_name or llm.engine.loaded.name
+            name = self.config.served_model_name or llm.engine.model_name
             self.serving = OpenAIServing(llm, name)
             self.model_names = {name, DEFAULT_MODEL_ALIAS, llm.engine.config.model}
             logger.info("model %s is ready (max_model_len %d)", name, llm.max_model_len)

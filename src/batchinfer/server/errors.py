@@ -126,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # Starlette looks handlers up by class (MRO) before falling back to the 500 middleware,
     # so these return their own status without the generic handler's 500 log line.
     for cls in (APIError, ValueError, OverloadedError, ItemTimeoutError, BatcherClosedError):
-        app.add_exception_handler(cls, _any)  # type: ignore[arg-type]
+        app.add_exception_handler(cls, _any)
 
 
 def _request_id(request: Request) -> str | None:

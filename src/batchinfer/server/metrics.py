@@ -1,8 +1,9 @@
 """Prometheus metrics of the generative server, on a registry owned by one app.
 
 Names follow vLLM's with the `batchinfer_` prefix (the table is in docs/server.md). Gauges and the
-per-step histograms are fed by the engine thread's `StepStats` (one hand-off per step); request
-latencies by the outputs the event loop delivers, timed on the engine's monotonic clock.
+per-step histograms are fed by the engine thread's `SchedulerStats` (one hand-off per step);
+token counts and request latencies by the per-request `RequestStats` of each processed step
+(whatever output kind the request streams), timed on the engine's monotonic clock.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from batchinfer.engine.async_llm import StepStats
-from batchinfer.engine.outputs import RequestOutput
+from batchinfer.core.outputs import SchedulerStats
+from batchinfer.engine.outputs import RequestStats
 
 # vLLM's buckets, so dashboards built for it read these the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -31,7 +32,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class ServerMetrics:
-    """The server's metrics; a `StatLogger` for `AsyncLLM` (`record_step`, `record_outputs`)."""
+    """The server's metrics; a `StatLogger` for `AsyncLLM` (`record_step`, `record_requests`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -76,7 +77,7 @@ class ServerMetrics:
         self._num_preemptions_seen = 0
         self._last_token_s: dict[str, float] = {}  # request id -> time of its latest tokens
 
-    def record_step(self, stats: StepStats) -> None:
+    def record_step(self, stats: SchedulerStats) -> None:
         """Gauges, preemptions and the per-step histograms from one engine step."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
@@ -88,39 +89,35 @@ class ServerMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.batch_size.observe(stats.num_scheduled_seqs)
 
-    def record_outputs(self, outputs: list[RequestOutput], now_s: float) -> None:
-        """Token counts and request latencies from the outputs delivered at `now_s`."""
-        for output in outputs:
-            num_new = sum(len(ids) for ids in output.new_token_ids.values())
-            if num_new:
-                self._record_tokens(output, num_new, now_s)
-            if output.finished:
-                self._record_finished(output, now_s)
+    def record_requests(self, stats: list[RequestStats], now_s: float) -> None:
+        """Token counts and request latencies from one processed step (or an abort)."""
+        for request in stats:
+            if request.num_new_tokens:
+                self._record_tokens(request, now_s)
+            if request.finish_reasons is not None:
+                self._record_finished(request, now_s)
 
-    def _record_tokens(self, output: RequestOutput, num_new: int, now_s: float) -> None:
-        self.generation_tokens.inc(num_new)
-        last_s = self._last_token_s.get(output.request_id)
-        self._last_token_s[output.request_id] = now_s
+    def _record_tokens(self, request: RequestStats, now_s: float) -> None:
+        self.generation_tokens.inc(request.num_new_tokens)
+        last_s = self._last_token_s.get(request.request_id)
+        self._last_token_s[request.request_id] = now_s
         if last_s is not None:
             self.inter_token_latency.observe(now_s - last_s)
             return
-        metrics = output.metrics
-        self.prompt_tokens.inc(output.num_prompt_tokens)
-        if metrics is None:
-            return
+        metrics = request.metrics
+        self.prompt_tokens.inc(request.num_prompt_tokens)
         first_token_s = metrics.first_token_s if metrics.first_token_s is not None else now_s
         self.time_to_first_token.observe(max(0.0, first_token_s - metrics.arrival_s))
         if metrics.queue_time_s is not None:
             self.request_queue_time.observe(max(0.0, metrics.queue_time_s))
 
-    def _record_finished(self, output: RequestOutput, now_s: float) -> None:
-        self._last_token_s.pop(output.request_id, None)
-        for completion in output.outputs:
-            self.request_success.labels(completion.finish_reason or "abort").inc()
-        metrics = output.metrics
-        if metrics is not None:
-            finished_s = metrics.finished_s if metrics.finished_s is not None else now_s
-            self.e2e_request_latency.observe(max(0.0, finished_s - metrics.arrival_s))
+    def _record_finished(self, request: RequestStats, now_s: float) -> None:
+        self._last_token_s.pop(request.request_id, None)
+        for reason in request.finish_reasons or ():
+            self.request_success.labels(reason).inc()
+        metrics = request.metrics
+        finished_s = metrics.finished_s if metrics.finished_s is not None else now_s
+        self.e2e_request_latency.observe(max(0.0, finished_s - metrics.arrival_s))
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition and its content type."""

@@ -2,8 +2,7 @@
 
 Fields are OpenAI's names. Extensions (documented in docs/server.md): `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output` and `priority` (lower runs first; stored on the request, the
-scheduler is FCFS today). Unknown fields are ignored, as OpenAI-compatible servers do; fields
+and `include_stop_str_in_output`. Unknown fields are ignored, as OpenAI-compatible servers do; fields
 batchinfer cannot honour (`echo`, `suffix`, `logit_bias`, `best_of != n`, tools, non-text
 content) are rejected with a 400 that names them rather than silently dropped.
 """
@@ -62,7 +61,6 @@ class _SamplingFields(_Schema):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
 
     @property
     def include_usage(self) -> bool:

@@ -1,9 +1,9 @@
 """What the generative endpoints do between parsing and the wire: run the prompts on `AsyncLLM`,
 stream SSE chunks or build the final body, abort on disconnect, map engine errors to HTTP.
 
-Streamed deltas are computed from the cumulative state of each choice (text sent so far, logprobs
-sent so far), so a client that reads slower than the engine steps gets fewer, larger chunks and
-never a backlog.
+Streams carry the engine's DELTA outputs straight to the wire (each token's text is handled
+once); a client that reads slower than the engine steps gets fewer, larger chunks and never a
+backlog. Non-streamed requests ask the engine for one FINAL_ONLY output.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from batchinfer.engine.async_llm import (
     RequestFailedError,
 )
 from batchinfer.engine.inputs import Prompt
-from batchinfer.engine.outputs import CompletionOutput, RequestOutput
+from batchinfer.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from batchinfer.engine.processor import EngineRequest
 from batchinfer.server.errors import APIError
 from batchinfer.server.protocol import (
     ChatCompletionRequest,
@@ -60,13 +61,12 @@ class OpenAIServing:
         params = _checked(body.sampling_params)
         prompts: list[Prompt] = list(_checked(body.prompts))
         return await self._run("completion", prompts, params, body.stream, body.include_usage,
-                               body.priority, request)
+                               request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = _checked(body.sampling_params)
         chat = _checked(body.chat)
-        return await self._run("chat", [chat], params, body.stream, body.include_usage,
-                               body.priority, request)
+        return await self._run("chat", [chat], params, body.stream, body.include_usage, request)
 
     async def _run(
         self,
@@ -75,17 +75,16 @@ class OpenAIServing:
         params: SamplingParams,
         stream: bool,
         include_usage: bool,
-        priority: int,
         request: Request,
     ) -> Response:
         response_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
         ids = [response_id]
         if len(prompts) > 1:
             ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        events = _merge([
-            self.llm.generate(prompt, params, request_id, priority)
-            for prompt, request_id in zip(prompts, ids, strict=True)
-        ])
+        # Every prompt is tokenized and validated (off the loop) before any is queued.
+        requests = await asyncio.to_thread(self._process, prompts, params, ids)
+        output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        events = _merge([self.llm.generate(r, kind=output_kind) for r in requests])
         render = _Renderer(kind, response_id, self.model_name, params.n, self.token_text)
         if not stream:
             try:
@@ -130,6 +129,19 @@ class OpenAIServing:
         finally:
             await events.aclose()
 
+    def _process(
+        self, prompts: list[Prompt], params: SamplingParams, ids: list[str]
+    ) -> list[EngineRequest]:
+        processor = self.llm.engine.processor
+        requests = []
+        for i, (prompt, request_id) in enumerate(zip(prompts, ids, strict=True)):
+            try:
+                requests.append(processor.process(prompt, params, request_id))
+            except ValueError as exc:
+                where = f"prompt[{i}]: " if len(prompts) > 1 else ""
+                raise APIError(400, f"{where}{exc}", param="prompt") from None
+        return requests
+
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: `{"tokens", "count", "max_model_len"}`."""
         if body.messages is not None:
@@ -146,7 +158,7 @@ class OpenAIServing:
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """vLLM's `/detokenize`: `{"prompt": text}`."""
-        vocab_size = self.llm.engine.spec.vocab_size
+        vocab_size = self.llm.engine.processor.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"tokens must be in [0, {vocab_size}), got {bad[0]}",
@@ -215,13 +227,13 @@ async def _merge(
     try:
         remaining = len(tasks)
         while remaining:
-            index, output, error = await queue.get()
+            index, maybe_output, error = await queue.get()
             if error is not None:
                 raise error
-            if output is None:
+            if maybe_output is None:
                 remaining -= 1
             else:
-                yield index, output
+                yield index, maybe_output
     finally:
         for task in tasks:
             task.cancel()
@@ -261,8 +273,6 @@ async def _wait_disconnect(request: Request) -> None:
 # --------------------------------------------------------------------------- rendering
 @dataclass(slots=True)
 class _ChoiceState:
-    num_chars: int = 0
-    num_logprobs: int = 0
     num_tokens: int = 0
     finished: bool = False
     role_sent: bool = False
@@ -284,7 +294,7 @@ class _Renderer:
         self.choices: dict[int, _ChoiceState] = {}
         self.prompt_tokens: dict[int, int] = {}
 
-    # ---- streaming
+    # ---- streaming (DELTA outputs: each carries only what is new)
     def chunks(self, event: Event) -> bytes:
         prompt_index, output = event
         self.prompt_tokens[prompt_index] = output.num_prompt_tokens
@@ -299,14 +309,12 @@ class _Renderer:
         state = self.choices.setdefault(index, _ChoiceState())
         if state.finished:
             return None
-        text = completion.text[state.num_chars:]
-        logprobs = completion.logprobs[state.num_logprobs:] if completion.logprobs else []
+        text = completion.text
+        logprobs = completion.logprobs or []
         finished = completion.finish_reason is not None
+        state.num_tokens += len(completion.token_ids)
         if not text and not logprobs and not finished and (state.role_sent or self.kind != "chat"):
             return None
-        state.num_chars = len(completion.text)
-        state.num_logprobs += len(logprobs)
-        state.num_tokens = len(completion.token_ids)
         state.finished = finished
         has_logprobs = completion.logprobs is not None
         if self.kind == "completion":

@@ -1,0 +1,93 @@
+"""Input processing: a user's prompt and parameters in, the scheduler's `Request`s out.
+
+Tokenizes (text, token ids or chat messages with the model's template), validates against the
+model (vocabulary, `max_model_len`) and fans a request with `n` sequences out into `n`
+scheduler requests. It reads only immutable model facts, so the server runs it off the event
+loop, on any thread; nothing here touches the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from batchinfer.core.request import Request
+from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.engine.inputs import Prompt, tokenize_prompt
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler-side id of sequence `index` of a request with `n` sequences."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One user request, processed: what the output processor registers and the engine queues."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+    sequences: list[Request]  # one per `n`, ids from `child_request_id`
+
+
+class Processor:
+    """Turns prompts into `EngineRequest`s; `ValueError` names what is wrong."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Collection[int],
+        clock: Callable[[], float],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) as the engine will see them."""
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+
+    def process(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+    ) -> EngineRequest:
+        """Tokenize, validate and fan out one request (not queued yet)."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        arrival_s = self.clock() if arrival_s is None else arrival_s
+        sequences = [
+            Request(
+                child_request_id(request_id, index, params.n),
+                list(token_ids),
+                _child_params(params, index),
+                arrival_s=arrival_s,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for index in range(params.n)
+        ]
+        return EngineRequest(request_id, text, token_ids, params, arrival_s, sequences)
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    # Sequences of one request draw different samples; with a seed, still reproducibly.
+    seed = params.seed + index if params.seed is not None and index else params.seed
+    return dataclasses.replace(params, n=1, seed=seed)
