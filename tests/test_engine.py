@@ -75,6 +75,18 @@ def test_same_output_alone_batched_chunked_and_preempted(llama_dir, llm):
         ] == batched, form
 
 
+def test_every_attention_backend_gives_the_same_tokens(llama_dir, llm):
+    prompts = random_prompts(6, llm.engine.processor.vocab_size, seed=6)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    for backend in ("sdpa", "gather"):
+        other = LLM(str(llama_dir), dtype="float32", attention_backend=backend,
+                    kv_cache_memory=64 << 20, max_num_batched_tokens=64)
+        got = [o.outputs[0].token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want, backend
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(llama_dir), attention_backend="flash")
+
+
 def small_cache_bytes(llm, num_blocks: int) -> int:
     from batchinfer.runner.kv_cache import bytes_per_block
 

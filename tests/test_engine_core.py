@@ -16,6 +16,7 @@ import pytest
 
 from batchinfer.core import EngineConfig, SamplingParams, SchedulerOutput
 from batchinfer.engine.async_llm import AsyncLLM, RequestFailedError
+from batchinfer.engine.core import EngineStepError
 from batchinfer.engine.llm_engine import LLMEngine
 from batchinfer.engine.outputs import RequestOutputKind
 from tests.fake_runner import VOCAB, FakeRunner, reference_tokens
@@ -115,7 +116,8 @@ def test_n_sequences_share_one_request():
     engine = make_engine()
     params = SamplingParams(n=3, max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request([1, 2, 3], params, "r", kind=RequestOutputKind.FINAL_ONLY)
-    assert engine.output_processor.child_ids("r") == ["r#0", "r#1", "r#2"]
+    child_ids = engine.output_processor.child_ids("r")
+    assert len(set(child_ids)) == 3 and all(c.startswith("r@") for c in child_ids)
     (final,) = run(engine)["r"]
     assert [c.index for c in final.outputs] == [0, 1, 2]
     assert all(c.token_ids == reference_tokens([1, 2, 3], 4) for c in final.outputs)
@@ -138,6 +140,76 @@ def test_stop_string_finishes_the_sequence_in_the_core():
     assert sum(len(o.outputs[0].token_ids) for o in outputs) <= text.find(stop) + len(stop) + 1
 
 
+def letters(tokens: list[int]) -> str:
+    return "".join(chr(97 + t % 26) for t in tokens)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_held_back_text_and_included_stop_strings(kind):
+    engine = make_engine()
+    want = letters(reference_tokens([5, 6, 7], 30))
+    never = "zzzzzz"  # longer than any run in `want`: held back while running, never matches
+    assert never not in want
+    stop = want[10:13]
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                 stop=[never]), "held", kind=kind)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                 stop=[stop], include_stop_str_in_output=True),
+                       "kept", kind=kind)
+    outputs = run(engine)
+
+    def text(request_id: str) -> str:
+        pieces = [o.outputs[0].text for o in outputs[request_id]]
+        return "".join(pieces) if kind == RequestOutputKind.DELTA else pieces[-1]
+
+    # One letter per token. While running, the last len(never) - 1 letters were held back; at
+    # the length finish they come out.
+    shown, visible = 0, []
+    for output in outputs["held"][:-1]:
+        text_now = output.outputs[0].text
+        shown = shown + len(text_now) if kind == RequestOutputKind.DELTA else len(text_now)
+        visible.append(shown)
+    assert visible == [max(0, n - (len(never) - 1)) for n in range(1, 30)]
+    assert text("held") == want
+    assert text("kept") == want[: want.find(stop) + len(stop)]
+    assert outputs["kept"][-1].outputs[0].stop_reason == stop
+
+
+def test_abort_ends_every_sequence_with_its_text_so_far():
+    engine = make_engine()
+    params = SamplingParams(n=2, max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request([8, 9], params, "r", kind=RequestOutputKind.DELTA)
+    streamed = []
+    for _ in range(4):
+        streamed += engine.step()
+    final = engine.abort_request("r")
+    assert final is not None and final.finished
+    assert [c.finish_reason for c in final.outputs] == ["abort", "abort"]
+    text = "".join(c.text for o in [*streamed, final] for c in o.outputs if c.index == 1)
+    assert text == letters(reference_tokens([8, 9], 4))
+    assert engine.core.scheduler.block_manager.num_used_blocks == 0
+    assert engine.abort_request("r") is None
+
+
+def test_core_add_requests_is_all_or_nothing():
+    engine = make_engine()
+    first = engine.processor.process([1, 2, 3], GREEDY, "a").sequences
+    engine.core.add_requests(first)
+    again = engine.processor.process([4, 5], SamplingParams(n=2), "b").sequences
+    again[1].request_id = first[0].request_id  # the second sequence is refused
+    with pytest.raises(ValueError, match="already in use"):
+        engine.core.add_requests(again)
+    assert engine.core.scheduler.num_waiting == 1  # b's first sequence was taken back
+
+
+def test_a_step_where_every_sequence_fails_stops_the_engine():
+    engine = make_engine()
+    engine.add_request([POISON], GREEDY, "x")
+    engine.add_request([POISON, 1], GREEDY, "y")
+    with pytest.raises(EngineStepError, match="all 2 sequences"):
+        engine.step()
+
+
 def test_token_history_goes_to_the_runner_only_for_penalties():
     engine = make_engine()
     plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -148,9 +220,9 @@ def test_token_history_goes_to_the_runner_only_for_penalties():
     run(engine)
     runner = engine.core.runner
     sampled = [s for out in runner.outputs for s in out.sequences if s.sample]  # type: ignore[attr-defined]
-    assert {s.request_id for s in sampled} == {"plain", "penalised"}
-    assert all(s.all_token_ids is None for s in sampled if s.request_id == "plain")
-    history = [s.all_token_ids for s in sampled if s.request_id == "penalised"]
+    assert {s.request_id.split("@")[0] for s in sampled} == {"plain", "penalised"}
+    assert all(s.all_token_ids is None for s in sampled if s.request_id.startswith("plain@"))
+    history = [s.all_token_ids for s in sampled if s.request_id.startswith("penalised@")]
     assert history[0] == [5, 6, 7, 8] and len(history[-1]) == 4 + 5
 
 

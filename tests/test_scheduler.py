@@ -245,6 +245,9 @@ def test_abort_frees_blocks_and_reports_to_runner():
     assert sched.block_manager.block_table("r0") == []
     assert sched.finish_request("r1", RequestStatus.FINISHED_ABORTED) is not None
     assert sched.block_manager.num_free_blocks == 50
+    # No step runs while nothing is left: the ids wait for the next step the runner sees.
+    assert sched.schedule().finished_request_ids == []
+    sched.add_request(make_request(2, 3, 5))
     assert set(sched.schedule().finished_request_ids) == {"r0", "r1"}
     assert sched.finish_request("r0", RequestStatus.FINISHED_ABORTED) is None
 

@@ -16,6 +16,7 @@ BATCHING_FORMS = ("continuous", "dynamic", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 GiB = 1 << 30
 
 
@@ -61,12 +62,16 @@ class EngineConfig:
         "CPU threads for torch; default: all cores"))
     prepack_weights: bool = field(default=True, metadata=_help(
         "CPU float32: keep linear weights in oneDNN's packed layout (faster matmuls)"))
+    attention_backend: str = field(default="auto", metadata=_help(
+        "paged attention: auto (cpu_sparse on CPU with a float32 cache, else gather), sdpa "
+        "(the portable reference), gather, cpu_sparse"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("batching", self.batching, BATCHING_FORMS)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string")
         if self.max_model_len is not None:

@@ -128,6 +128,10 @@ class Scheduler:
         budget, preempted = self._schedule_running(output, budget)
         if not preempted and self.config.batching == "continuous":
             self._schedule_waiting(output, budget)
+        if output.is_empty and output.finished_request_ids:
+            # No step runs: keep the ids for the next one, so the runner still hears of them.
+            self._left_ids = output.finished_request_ids + self._left_ids
+            output.finished_request_ids = []
         return output
 
     def update_from_output(

@@ -215,6 +215,16 @@ class AsyncLLM:
     def _on_step(self, result: _StepResult) -> None:
         for request_id, error in result.rejected:
             self._fail(request_id, error, record=False)
+        touched = self._output_processor.parent_ids(result.outputs)
+        try:
+            self._process_step(result)
+        except Exception as exc:  # e.g. a tokenizer that fails to decode: fail its requests
+            logger.exception("processing a step's outputs failed")
+            message = f"{type(exc).__name__}: {exc}"
+            for request_id in touched:
+                self._fail(request_id, RequestFailedError(request_id, message), record=True)
+
+    def _process_step(self, result: _StepResult) -> None:
         processed = self._output_processor.process(result.outputs)
         for child_id, stop_string in processed.stopped:
             self._commands.put(_Finish([child_id], RequestStatus.FINISHED_STOPPED, stop_string))

@@ -7,6 +7,9 @@ it, so a consumer on another thread never reads state the engine is changing.
 Failure isolation lives here and only here: when the runner raises on a step, the exception is
 logged once with its traceback, each sequence of the step is rerun alone, and only the ones that
 fail again are finished (with `error` set); the rest of the batch goes on as if nothing happened.
+When every sequence of a step of several fails alone too, the fault is not the requests' (out of
+memory, a broken device): `EngineStepError` is raised, which stops the engine rather than fail
+every request that comes, one by one, forever.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """Every sequence of a step failed, alone as well as together: the engine cannot go on."""
 
 
 class Runner(Protocol):
@@ -145,6 +152,10 @@ class EngineCore:
                 continue
             sampled.append(out.sampled_token_ids[0])
             logprobs.append(out.logprobs[0] if out.logprobs else None)
+        if len(failed) == len(scheduler_output.sequences) > 1:
+            raise EngineStepError(
+                f"all {len(failed)} sequences of a step failed, each alone too: {failed}"
+            )
         if failed:
             logger.error("failed alone too, finished with an error: %s", failed)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs), failed

@@ -22,9 +22,10 @@ class IncrementalDetokenizer:
     completes it. While the sequence runs, the last `len(longest stop string) - 1` characters
     are held back (they could still become a stop string), so a stop string is never shown.
 
-    Text lives in two parts: `_sent` (pieces already handed out by `take_delta`) and `_unsent`
-    (the rest, at most the held-back tail plus what arrived since the last take). A stop string
-    can only start inside `_unsent`, so the search and the cut never touch `_sent`.
+    Text lives in two parts: `_settled` (pieces no stop string can change any more) and
+    `_tail` (the last `holdback` characters, which one still could). A stop string can only
+    start inside the tail plus the new text, so the search and the cut never touch `_settled`;
+    `take_delta` hands out the settled pieces not handed out yet.
     """
 
     def __init__(
@@ -44,8 +45,9 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop_string: str | None = None
         self._holdback = max((len(s) for s in stop), default=1) - 1
-        self._sent: list[str] = []
-        self._unsent = ""
+        self._settled: list[str] = []
+        self._num_taken = 0  # settled pieces already handed out by `take_delta`
+        self._tail = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -63,11 +65,18 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
-            search_from = max(0, len(self._unsent) - self._holdback)
-            self._unsent += delta
-            if self.stop and self._find_stop(search_from):
+            tail = self._tail + delta
+            if self.stop and self._find_stop(tail, len(self._tail)):
                 return self.stop_string
+            self._settle(tail, self._holdback)
         return None
+
+    def _settle(self, tail: str, keep: int) -> None:
+        """Move all but the last `keep` characters of `tail` to the settled pieces."""
+        cut = max(0, len(tail) - keep)
+        if cut:
+            self._settled.append(tail[:cut])
+        self._tail = tail[cut:]
 
     def _trim(self) -> None:
         # Tokens before the decode window are never read again: drop them so the list stays
@@ -84,33 +93,36 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text):
-            self._unsent += new_text[len(prefix_text) :]
+            self._tail += new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset = len(self.token_ids)
 
-    def _find_stop(self, search_from: int) -> bool:
+    def _find_stop(self, tail: str, old_len: int) -> bool:
+        """Search `tail` (old tail + new text) for the earliest stop string that ends in the
+        new text; if found, cut the text there (settling all of it) and return True."""
+        search_from = max(0, old_len - self._holdback)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self._unsent.find(s, search_from)
+            i = tail.find(s, search_from)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
         i, s = best
-        self._unsent = self._unsent[: i + len(s)] if self.include_stop_str else self._unsent[:i]
+        self._settle(tail[: i + len(s)] if self.include_stop_str else tail[:i], keep=0)
         self.stop_string = s
         return True
 
     def take_delta(self, finished: bool) -> str:
         """The text that became visible since the last call: everything once `finished`, else
         all but the held-back tail."""
-        end = len(self._unsent) if finished else max(0, len(self._unsent) - self._holdback)
-        if end == 0:
-            return ""
-        delta, self._unsent = self._unsent[:end], self._unsent[end:]
-        self._sent.append(delta)
-        return delta
+        if finished:
+            self._settle(self._tail, keep=0)
+        pieces = self._settled[self._num_taken :]
+        self._num_taken = len(self._settled)
+        return "".join(pieces)
 
     def text(self, finished: bool) -> str:
         """The whole visible text (for cumulative outputs; costs a join of everything)."""
-        self.take_delta(finished)
-        return "".join(self._sent)
+        if finished:
+            self._settle(self._tail, keep=0)
+        return "".join(self._settled)

@@ -11,6 +11,7 @@ that step's tokens and hands out only new text.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,8 @@ class OutputProcessor:
         """Register a processed request; `ValueError` if its id is in use."""
         if request.request_id in self._states:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if any(child.request_id in self._parent_of for child in request.sequences):
+            raise RuntimeError(f"request {request.request_id!r}: a sequence id is in use")
         params = request.params
         sequences = []
         for index, child in enumerate(request.sequences):
@@ -127,6 +130,11 @@ class OutputProcessor:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._states)
+
+    def parent_ids(self, core_outputs: list[EngineCoreOutput]) -> list[str]:
+        """The (unfinished) requests the given core outputs belong to."""
+        parents = (self._parent_of.get(o.request_id) for o in core_outputs)
+        return list(dict.fromkeys(located[0].request_id for located in parents if located))
 
     # ----------------------------------------------------------------- processing
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
@@ -176,6 +184,7 @@ class OutputProcessor:
         child_ids = []
         for seq in state.sequences:
             if seq.finish_reason is None:
+                seq.detokenizer.flush()
                 seq.finish_reason = "abort"
                 seq.changed = True
                 child_ids.append(seq.child_id)
@@ -219,7 +228,7 @@ class OutputProcessor:
                 prompt_token_ids=state.prompt_token_ids,
                 outputs=completions,
                 finished=finished,
-                metrics=state.metrics,
+                metrics=dataclasses.replace(state.metrics),  # a snapshot: the state goes on
                 error=state.error,
             )
         )
@@ -259,4 +268,4 @@ def _record(metrics: RequestMetrics, core_output: EngineCoreOutput) -> None:
         metrics.last_token_s = max(metrics.last_token_s or 0.0, core_output.last_token_s)
     metrics.num_preemptions = max(metrics.num_preemptions, core_output.num_preemptions)
     if core_output.finished_s is not None:
-        metrics.finished_s = core_output.finished_s
+        metrics.finished_s = max(metrics.finished_s or 0.0, core_output.finished_s)

@@ -9,6 +9,7 @@ loop, on any thread; nothing here touches the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -17,11 +18,6 @@ from typing import Any
 from batchinfer.core.request import Request
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.inputs import Prompt, tokenize_prompt
-
-
-def child_request_id(request_id: str, index: int, n: int) -> str:
-    """The scheduler-side id of sequence `index` of a request with `n` sequences."""
-    return request_id if n == 1 else f"{request_id}#{index}"
 
 
 @dataclass(slots=True)
@@ -33,7 +29,10 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_s: float
-    sequences: list[Request]  # one per `n`, ids from `child_request_id`
+    # One per `n`. Their scheduler ids are `{request_id}@{serial}` (and `#{index}` for n > 1),
+    # unique for the process's life: a request id reused after an abort, or one that looks like
+    # another request's sequence id, can never receive another request's tokens.
+    sequences: list[Request]
 
 
 class Processor:
@@ -52,6 +51,7 @@ class Processor:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
+        self._serials = itertools.count()  # next() is atomic: process() runs on many threads
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) as the engine will see them."""
@@ -74,9 +74,10 @@ class Processor:
             )
         request_id = request_id or uuid.uuid4().hex
         arrival_s = self.clock() if arrival_s is None else arrival_s
+        base_id = f"{request_id}@{next(self._serials)}"
         sequences = [
             Request(
-                child_request_id(request_id, index, params.n),
+                base_id if params.n == 1 else f"{base_id}#{index}",
                 list(token_ids),
                 _child_params(params, index),
                 arrival_s=arrival_s,

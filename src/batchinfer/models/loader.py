@@ -148,6 +148,12 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
         raise ValueError(f"{folder}: cannot load the tokenizer ({exc})") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"{folder}: tokenizer is not a fast (tokenizer.json) tokenizer")
+    # The engine encodes on worker threads while the event loop decodes. With truncation or
+    # padding set in tokenizer.json, each encode would reset them on the shared Rust tokenizer
+    # (a mutable borrow) and a concurrent decode fails with "Already borrowed": turn them off
+    # once, here. Prompts are never truncated or padded anyway.
+    tokenizer.backend_tokenizer.no_truncation()
+    tokenizer.backend_tokenizer.no_padding()
     return tokenizer
 
 

@@ -29,13 +29,12 @@ from typing import Protocol
 
 import torch
 
+from batchinfer.core.config import ATTENTION_BACKENDS
 from batchinfer.runner.backends.cpu_sparse import CpuSparseBackend, supports_cpu_sparse
 from batchinfer.runner.backends.gather import GatherBackend
 from batchinfer.runner.backends.sdpa import SdpaBackend
 from batchinfer.runner.input_batch import AttentionMetadata
 from batchinfer.runner.kv_cache import KVCacheSpec
-
-ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 
 
 class AttentionBackend(Protocol):

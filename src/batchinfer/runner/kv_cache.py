@@ -13,11 +13,9 @@ from typing import Protocol
 
 import torch
 
-_KV_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from batchinfer.core.config import KV_CACHE_DTYPES
+from batchinfer.core.validation import check_choice
+from batchinfer.models.hardware import TORCH_DTYPES
 
 
 class KVCacheSpec(Protocol):
@@ -38,13 +36,8 @@ class KVCacheSpec(Protocol):
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """Element type of the cache: `auto` follows the model's dtype, else the named type."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in _KV_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype must be auto or one of {', '.join(_KV_DTYPES)}; got {kv_cache_dtype!r}"
-        )
-    return _KV_DTYPES[kv_cache_dtype]
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    return model_dtype if kv_cache_dtype == "auto" else TORCH_DTYPES[kv_cache_dtype]
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -5,10 +5,11 @@ threads, loads and prepares the model (packed weights on CPU float32), sizes the
 builds the `ModelRunner`. The engine above it sees only plain facts (`num_blocks`,
 `max_model_len`, the tokenizer, the stop tokens), so `engine/` never imports torch.
 
-KV budget. CPU: `kv_cache_memory`, as given. CUDA: `gpu_memory_utilization` of the device minus
-what is in use once the weights are loaded minus the activations' peak, measured by a profiled
-forward of a dummy step at `max_num_batched_tokens` (one long prefill plus one-token sequences
-up to `max_num_seqs`, so both the longest attention and the most logit rows are counted).
+KV budget. CPU: `kv_cache_memory`, as given (a profiled step would cost seconds of start-up for a
+figure the budget does not depend on). CUDA: `gpu_memory_utilization` of the device minus what
+is in use once the weights are loaded minus the peak of a profiled dummy step at
+`max_num_batched_tokens` (`dummy_step`: the most expensive step the scheduler can build, as far
+as memory goes).
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ class Worker:
             activation_bytes = profile_step_bytes(config, loaded, device, kv_dtype)
         budget = kv_cache_budget(config, device, activation_bytes or 0)
         num_blocks = num_kv_blocks(loaded.spec, config.block_size, kv_dtype, budget)
+        knob = "gpu_memory_utilization" if device.type == "cuda" else "kv_cache_memory"
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory: {budget} bytes hold no KV block of {config.block_size} tokens"
+                f"{knob}: {budget} bytes left for the KV cache hold no block of "
+                f"{config.block_size} tokens (activations of a step at max_num_batched_tokens: "
+                f"{activation_bytes} bytes); raise {knob} or lower max_num_batched_tokens"
             )
         max_model_len = resolve_max_model_len(
-            config.max_model_len, loaded.spec, num_blocks * config.block_size
+            config.max_model_len, loaded.spec, num_blocks * config.block_size, knob
         )
         runner = _make_runner(config, loaded, device, kv_dtype, num_blocks)
         logger.info(
@@ -124,6 +128,7 @@ def _make_runner(
         kv_dtype=kv_dtype,
         eos_token_ids=sorted(loaded.eos_token_ids),
         seed=config.seed,
+        attention_backend=config.attention_backend,
     )
 
 
@@ -142,8 +147,10 @@ def profile_step_bytes(
     config: EngineConfig, loaded: LoadedModel, device: torch.device, kv_dtype: torch.dtype
 ) -> int:
     """Peak memory one step at `max_num_batched_tokens` allocates above what is resident
-    (CUDA): runs a dummy step on a runner with just enough KV blocks for it."""
-    step = dummy_step(config.max_num_batched_tokens, config.max_num_seqs, config.block_size)
+    (CUDA): runs `dummy_step` on a runner with just enough KV blocks for it."""
+    max_len = model_max_len(loaded.spec, config.max_model_len)
+    step = dummy_step(config.max_num_batched_tokens, config.max_num_seqs, config.block_size,
+                      min(max_len, PROFILE_CONTEXT_FACTOR * config.max_num_batched_tokens))
     num_blocks = sum(len(s.block_table) for s in step.sequences)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -160,39 +167,76 @@ def profile_step_bytes(
     return peak_bytes
 
 
-def dummy_step(num_tokens: int, max_num_seqs: int, block_size: int) -> SchedulerOutput:
-    """A step of `num_tokens` tokens: one long first prefill chunk plus one-token sequences up
-    to `max_num_seqs`, every one sampling (greedy), each in its own fresh blocks."""
-    num_seqs = max(1, min(max_num_seqs, num_tokens))
-    lengths = [num_tokens - (num_seqs - 1)] + [1] * (num_seqs - 1)
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    sequences, next_block = [], 0
-    for i, length in enumerate(lengths):
-        num_blocks = cdiv(length + 1, block_size)
-        table = list(range(next_block, next_block + num_blocks))
-        next_block += num_blocks
+# The profiled long chunk reads a cached context of at most this many times the step's tokens:
+# a later chunk attends over chunk x context, so a context of the model's whole length (128k
+# and more) would make the profile itself the largest allocation of all.
+PROFILE_CONTEXT_FACTOR = 4
+
+
+def dummy_step(
+    num_tokens: int, max_num_seqs: int, block_size: int, max_len: int
+) -> SchedulerOutput:
+    """A step of up to `num_tokens` tokens in at most `max_num_seqs` sequences that allocates
+    what the most expensive real step does: the longest chunk is the LAST chunk of a `max_len`
+    sequence (so it reads a cached context, the path that gathers and masks), chunks go on while
+    `max_len` caps them, and every other seat is a decode over a cached block; every sequence
+    samples with top-k, top-p and 20 logprobs. No sequence reaches past `max_len` positions."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2, got {max_len}")
+    num_seats = max(1, min(max_num_seqs, num_tokens))
+    # Fewest chunks that carry the tokens the decodes leave: each holds < max_len new tokens.
+    num_chunks = 1
+    while num_chunks < num_seats and num_tokens - (num_seats - num_chunks) > num_chunks * (
+        max_len - 1
+    ):
+        num_chunks += 1
+    chunk_tokens = min(num_tokens - (num_seats - num_chunks), num_chunks * (max_len - 1))
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20, max_tokens=1)
+    sequences: list[ScheduledSequence] = []
+    next_block = 0
+
+    def add(num_new: int, context_len: int) -> None:
+        nonlocal next_block
+        table = list(range(next_block, next_block + cdiv(context_len, block_size)))
+        next_block += len(table)
         sequences.append(ScheduledSequence(
-            request_id=f"profile-{i}", token_ids=[0] * length, num_computed_tokens=0,
-            block_table=table, sample=True, sampling_params=params, num_prompt_tokens=length,
+            request_id=f"profile-{len(sequences)}", token_ids=[0] * num_new,
+            num_computed_tokens=context_len - num_new, block_table=table, sample=True,
+            sampling_params=params, num_prompt_tokens=context_len,
         ))
+
+    for _ in range(num_chunks):
+        num_new = min(chunk_tokens, max_len - 1)
+        add(num_new, max_len)
+        chunk_tokens -= num_new
+    for _ in range(num_seats - num_chunks):
+        add(1, min(max_len, block_size + 1))
     return SchedulerOutput(sequences=sequences)
 
 
-def resolve_max_model_len(wanted: int | None, spec: ModelSpec, kv_capacity_tokens: int) -> int:
-    """`max_model_len`: the model's limit capped by the cache, or the value asked for if both
-    allow it (`ValueError` naming the knob otherwise)."""
+def model_max_len(spec: ModelSpec, wanted: int | None = None) -> int:
+    """The longest sequence the model can run: its positions, capped at a sliding window
+    (attention over a window is not implemented; within it, full attention is exact), and at
+    `wanted` when given and smaller."""
     model_max = spec.max_position_embeddings
     if spec.sliding_window is not None:
-        # Attention over a sliding window is not implemented; within it, full attention is
-        # exact, so cap the length there rather than compute something else.
         model_max = min(model_max, spec.sliding_window)
+    return model_max if wanted is None else min(model_max, wanted)
+
+
+def resolve_max_model_len(
+    wanted: int | None, spec: ModelSpec, kv_capacity_tokens: int, knob: str = "kv_cache_memory"
+) -> int:
+    """`max_model_len`: the model's limit capped by the cache, or the value asked for if both
+    allow it (`ValueError` naming the knob otherwise; `knob` sizes the cache)."""
+    model_max = model_max_len(spec)
     if wanted is None:
         return min(model_max, kv_capacity_tokens)
     if wanted > model_max:
         raise ValueError(f"max_model_len {wanted} exceeds the model's maximum {model_max}")
     if wanted > kv_capacity_tokens:
         raise ValueError(
-            f"max_model_len {wanted} needs more KV cache than kv_cache_memory holds "
-            f"({kv_capacity_tokens} tokens); raise kv_cache_memory or lower max_model_len"
+            f"max_model_len {wanted} needs more KV cache than {knob} leaves "
+            f"({kv_capacity_tokens} tokens); raise {knob} or lower max_model_len"
         )
     return wanted
