@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -82,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
 
     from batchinfer.server.app import build_app
 
+    # The engine's own log lines (model ready, KV cache size, failed steps) at the same level
+    # as uvicorn's, in the same stream.
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("batchinfer").setLevel(args.log_level.upper())
     app = build_app(engine_config, server_config)
     config = uvicorn.Config(
         app,
