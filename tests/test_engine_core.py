@@ -295,3 +295,33 @@ def test_async_failure_fails_the_stream_only():
 
 async def _collect(llm: AsyncLLM, prompt: list[int], request_id: str) -> list:
     return [o async for o in llm.generate(prompt, GREEDY, request_id)]
+
+
+def test_a_lagging_reader_gets_merged_deltas_and_tokens_are_counted_once():
+    engine = make_engine()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    counted = []
+
+    class Counter:
+        def record_step(self, stats) -> None:
+            pass
+
+        def record_requests(self, stats, now_s) -> None:
+            counted.extend(s.num_new_tokens for s in stats)
+
+    async def main():
+        llm = AsyncLLM(engine)
+        llm.stat_loggers.append(Counter())
+        outputs = []
+        try:
+            async for output in llm.generate([1, 2], params, "slow"):
+                outputs.append(output)
+                await asyncio.sleep(0.02)  # the engine steps on meanwhile
+        finally:
+            llm.shutdown()
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert len(outputs) < 40  # several steps' deltas were merged into one output
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == reference_tokens([1, 2], 40)
+    assert sum(counted) == 40

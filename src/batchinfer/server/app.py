@@ -3,7 +3,8 @@
 `build_app(engine_config, server_config)` returns an app whose lifespan starts loading the model
 in a background thread, so the port answers at once: `/health` is 503 until the engine is ready
 (and again while shutting down). Every response carries `X-Request-Id` (the client's, or a new
-one). Guards, in order: `--api-key` on `/v1/*` (401), draining (503), body size (413).
+one). Guards, in order: `--api-key` on everything but `/health` and `/metrics` (401), draining
+(503), body size (413).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from batchinfer.server.serving import RETRY_AFTER_S, OpenAIServing
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_ALIAS = "default"
 UNGUARDED_PATHS = ("/health", "/metrics", "/version")
+# Without the API key, only these answer: probes and scrapers carry no key. Everything else
+# (/v1/*, /tokenize, /detokenize, /version, /docs, /openapi.json) costs work or shows the API.
+OPEN_PATHS = ("/health", "/metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +278,7 @@ class RequestGuard:
         await self.app(scope, receive, send)
 
     def _check(self, path: str, headers: Headers) -> Response | None:
-        if self._expected_auth is not None and path.startswith("/v1/"):
+        if self._expected_auth is not None and path not in OPEN_PATHS:
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self._expected_auth):
                 return error_response(401, "missing or wrong API key: send "
@@ -322,7 +326,10 @@ def _with_request_id(send: Send, request_id: str) -> Send:
     async def send_with_id(message: Message) -> None:
         if message["type"] == "http.response.start":
             message = dict(message)
-            message["headers"] = [*message.get("headers", []), header]
+            headers = list(message.get("headers", []))
+            if all(name.lower() != b"x-request-id" for name, _ in headers):
+                headers.append(header)
+            message["headers"] = headers
         await send(message)
 
     return send_with_id

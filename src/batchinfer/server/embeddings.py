@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from batchinfer.batching.config import BatcherConfig
 from batchinfer.batching.embedding_service import (
@@ -26,10 +26,10 @@ from batchinfer.batching.embedding_service import (
     EmbeddingResult,
     EmbeddingService,
 )
-from batchinfer.server.errors import APIError, install_error_handlers
+from batchinfer.server.errors import APIError, UnicodeChecked, install_error_handlers
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(UnicodeChecked):
     """OpenAI's embeddings request (+ `truncate`, `lane`, `timeout_ms`); unknown fields are
     ignored. `input` is checked by the service so its errors name the offending item."""
 

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchinfer.batching.errors import BatcherClosedError, ItemTimeoutError, OverloadedError
@@ -86,6 +87,46 @@ def to_api_error(exc: Exception, request_id: str | None = None) -> APIError:
                     code="internal_error")
 
 
+def first_invalid_text(value: Any, path: str = "") -> str | None:
+    """The path (`messages.0.content`) of the first string in `value` (a parsed JSON body:
+    models, dicts, lists) that is not valid Unicode, or None. JSON may escape a lone surrogate
+    (`"\\ud800"`); no encoder or tokenizer can take one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, BaseModel):
+        items: Any = ((name, getattr(value, name)) for name in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        found = first_invalid_text(key, where) or first_invalid_text(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+class UnicodeChecked(BaseModel):
+    """A request schema whose strings must all be valid Unicode (400 naming the field)."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> UnicodeChecked:
+        where = first_invalid_text(self)
+        if where is not None:
+            error = ValueError(f"{where} is not valid Unicode (a lone surrogate, "
+                               "\\ud800-\\udfff)")
+            error.param = where.split(".")[0]  # type: ignore[attr-defined]
+            raise error
+        return self
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """A pydantic validation failure -> 400 naming the first failing field."""
     errors = exc.errors()
@@ -96,7 +137,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0] if errors else {}
     loc = [part for part in first.get("loc", ()) if part != "body"]
     cause = first.get("ctx", {}).get("error")
-    param = getattr(cause, "param", None) or (str(loc[0]) if loc else None)
+    # The top-level field where the error sits (a nested model's own `param` is relative).
+    param = (str(loc[0]) if loc else None) or getattr(cause, "param", None)
     where = ".".join(str(part) for part in loc)
     message = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid request")
     if where and not message.startswith(where):
@@ -118,10 +160,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception) -> JSONResponse:
-        error = to_api_error(exc, _request_id(request))
+        request_id = _request_id(request)
+        error = to_api_error(exc, request_id)
         if error.status_code >= 500 and not isinstance(exc, APIError):
             logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return api_error_response(error)
+        response = api_error_response(error)
+        if request_id is not None:
+            # An unexpected exception is answered outside the request guard, which adds the
+            # header to every other response; add it here (the guard never adds it twice).
+            response.headers["x-request-id"] = request_id
+        return response
 
     # Starlette looks handlers up by class (MRO) before falling back to the 500 middleware,
     # so these return their own status without the generic handler's 500 log line.

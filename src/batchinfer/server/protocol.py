@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.server.errors import UnicodeChecked
 
 # Bounds of the request body, so one request cannot ask for unbounded work.
 MAX_N = 16
@@ -29,7 +30,7 @@ class ParamError(ValueError):
         self.param = param
 
 
-class _Schema(BaseModel):
+class _Schema(UnicodeChecked):
     model_config = ConfigDict(extra="ignore")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -30,7 +31,7 @@ from batchinfer.engine.async_llm import (
 from batchinfer.engine.inputs import Prompt
 from batchinfer.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from batchinfer.engine.processor import EngineRequest
-from batchinfer.server.errors import APIError
+from batchinfer.server.errors import APIError, to_api_error
 from batchinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +40,7 @@ from batchinfer.server.protocol import (
     TokenizeRequest,
 )
 
+logger = logging.getLogger(__name__)
 Kind = Literal["completion", "chat"]
 Event = tuple[int, RequestOutput]  # (prompt index, output)
 _ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
@@ -95,11 +97,15 @@ class OpenAIServing:
                 return Response(status_code=499)
             return JSONResponse(render.response(finals))
         try:
-            # The first output (or error) before the headers: a rejected request gets its status.
-            first = await _engine_call(anext(events), request)
+            # The first output (or error) before the headers: a rejected request gets its
+            # status. A client that leaves meanwhile (queued, or prefilling) aborts it.
+            first = await _unless_disconnected(anext(events), request)
         except BaseException:
             await events.aclose()
             raise
+        if first is None:
+            await events.aclose()
+            return Response(status_code=499)
         return StreamingResponse(
             self._sse(render, first, events, include_usage, request),
             media_type="text/event-stream",
@@ -122,12 +128,14 @@ class OpenAIServing:
                     yield data
             if include_usage:
                 yield render.usage_chunk()
-            yield b"data: [DONE]\n\n"
-        except (RequestFailedError, EngineDeadError) as exc:
+        except Exception as exc:  # after the 200: the error goes in the stream
             error = _api_error(exc, request)
+            if error.status_code >= 500:
+                logger.error("stream %s failed: %s", render.response_id, exc)
             yield _sse_line({"error": error.body()["error"]})
         finally:
             await events.aclose()
+        yield b"data: [DONE]\n\n"
 
     def _process(
         self, prompts: list[Prompt], params: SamplingParams, ids: list[str]
@@ -190,6 +198,8 @@ async def _engine_call(awaitable: Any, request: Request) -> Any:
 
 
 def _api_error(exc: Exception, request: Request) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="queue_full",
                         headers={"retry-after": str(RETRY_AFTER_S)})
@@ -197,7 +207,9 @@ def _api_error(exc: Exception, request: Request) -> APIError:
         header_id = request.headers.get("x-request-id")
         where = f" (X-Request-Id {header_id})" if header_id else ""
         return APIError(500, f"{exc}{where}", code="engine_error")
-    return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    return to_api_error(exc, request.headers.get("x-request-id"))
 
 
 # --------------------------------------------------------------------------- streams
@@ -247,11 +259,9 @@ async def _last_per_prompt(events: AsyncIterator[Event]) -> dict[int, RequestOut
     return finals
 
 
-async def _unless_disconnected(
-    work: Any, request: Request
-) -> dict[int, RequestOutput] | None:
-    """Await `work` (a non-streamed generation); None, with `work` cancelled, if the client
-    disconnects first."""
+async def _unless_disconnected(work: Any, request: Request) -> Any:
+    """Await `work` (a generation, or a stream's first event); None, with `work` cancelled, if
+    the client disconnects first."""
     task = asyncio.ensure_future(_engine_call(work, request))
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:

@@ -1,0 +1,191 @@
+"""Failure paths of the server over real HTTP: each gets a clean answer and nothing keeps
+running for a client that left. One sequence runs at a time here, so a second request waits."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from batchinfer.core.config import EngineConfig
+from batchinfer.server.app import ServerConfig, build_app
+from tests.test_server import ENGINE, metric, run_server
+from tests.tiny_models import make_tiny_llama
+
+API_KEY = "hardening-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+POISON = 297  # a prompt holding this token id makes the patched runner raise
+SLOW_STEP_S = 0.05  # added to every engine step: a 400-token request runs for ~20 s
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, object]]:
+    model_dir = make_tiny_llama(_tmp_dir("hardening"))
+    app = build_app(
+        EngineConfig.from_kwargs(model=str(model_dir), max_num_seqs=1, **ENGINE),
+        ServerConfig(api_key=API_KEY, embedding_model="default"),
+    )
+    with run_server(app) as url:
+        runner = app.state.server.llm.engine.core.runner
+        execute = runner.execute
+
+        def slowed(scheduler_output):
+            if any(s.is_prefill and POISON in s.token_ids for s in scheduler_output.sequences):
+                raise RuntimeError("poisoned prompt")
+            time.sleep(SLOW_STEP_S)
+            return execute(scheduler_output)
+
+        runner.execute = slowed
+        yield url, app
+
+
+def _tmp_dir(name: str):
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp(prefix=f"batchinfer-{name}-"))
+
+
+def post(url: str, path: str, body: str | dict, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    headers = {"content-type": "application/json", **AUTH, **(headers or {})}
+    return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=60)
+
+
+def until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def raw_request(url: str, body: dict) -> Iterator[socket.socket]:
+    """POST `body` to /v1/completions on a bare socket, read nothing; the block's end closes
+    the connection (a client that leaves)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {API_KEY}\r\ncontent-length: {len(data)}\r\n\r\n")
+    sock = socket.create_connection((host, int(port)))
+    try:
+        sock.sendall(head.encode() + data)
+        yield sock
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- invalid text
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions",
+         '{"messages": [{"role": "user", "content": "hi \\udfff"}], "max_tokens": 2}', "messages"),
+        ("/v1/embeddings", '{"input": ["fine", "lone \\ud83d"]}', "input"),
+        ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ],
+)
+def test_lone_surrogates_get_400_naming_the_field(server, path, body, param):
+    url, _ = server
+    response = post(url, path, body, headers={"x-request-id": "surrogate-1"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "not valid Unicode" in error["message"]
+    assert response.headers["x-request-id"] == "surrogate-1"
+    # A surrogate PAIR is a real character (an emoji) and is served.
+    ok = post(url, "/v1/completions", '{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}')
+    assert ok.status_code == 200
+
+
+# --------------------------------------------------------------------------- clients that leave
+def test_a_streaming_client_that_leaves_while_queued_is_aborted_at_once(server):
+    url, _ = server
+    aborts = metric(url, 'batchinfer_request_success_total{finished_reason="abort"}')
+    blocker = {"prompt": "hold the only seat", "max_tokens": 400, "ignore_eos": True}
+    with raw_request(url, blocker | {"stream": True}):
+        until(lambda: metric(url, "batchinfer_num_requests_running") == 1)
+        queued = {"prompt": "wait in line", "max_tokens": 50, "stream": True}
+        with raw_request(url, queued):
+            until(lambda: metric(url, "batchinfer_num_requests_waiting") == 1)
+        # Left while queued: aborted without ever running, while the blocker still runs
+        # (within a few steps, far from the blocker's ~20 s).
+        until(lambda: metric(url, "batchinfer_num_requests_waiting") == 0, timeout_s=5)
+        assert metric(url, 'batchinfer_request_success_total{finished_reason="abort"}') == (
+            aborts + 1
+        )
+        assert metric(url, "batchinfer_num_requests_running") == 1
+    until(lambda: metric(url, "batchinfer_kv_cache_usage_perc") == 0.0)
+
+
+# --------------------------------------------------------------------------- errors mid-stream
+def test_an_error_after_the_stream_started_ends_with_an_error_event_and_done(server):
+    url, _ = server
+    body = {"prompt": [[5, 6, 7, 8], [5, POISON, 7]], "max_tokens": 4, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_error" and "poisoned prompt" in error["message"]
+    texts = [json.loads(line[6:])["choices"][0]["index"] for line in lines[:-2]]
+    assert texts and set(texts) == {0}  # the first prompt's chunks came before the error
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+# --------------------------------------------------------------------------- auth scope
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("POST", "/detokenize", {"tokens": [5, 6]}),
+        ("GET", "/version", None),
+        ("GET", "/docs", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/v1/models", None),
+    ],
+)
+def test_the_api_key_guards_every_route_but_health_and_metrics(server, method, path, body):
+    url, _ = server
+    bare = httpx.request(method, f"{url}{path}", json=body)
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+    keyed = httpx.request(method, f"{url}{path}", json=body, headers=AUTH)
+    assert keyed.status_code == 200
+    for open_path in ("/health", "/metrics"):
+        assert httpx.get(f"{url}{open_path}").status_code == 200
+
+
+def test_unexpected_errors_carry_the_request_id(server):
+    url, app = server
+    serving = app.state.server.serving
+    original = serving.tokenize
+
+    def broken(body):
+        raise KeyError("a bug")
+
+    serving.tokenize = broken
+    try:
+        response = post(url, "/tokenize", {"prompt": "hi"}, headers={"x-request-id": "bug-7"})
+    finally:
+        serving.tokenize = original
+    assert response.status_code == 500
+    assert response.headers.get_list("x-request-id") == ["bug-7"]
+    assert "bug-7" in response.json()["error"]["message"]
+
+
+def test_threads_are_left_clean(server):
+    # Nothing a test above started is still running: no request, no waiting one, no KV block.
+    url, _ = server
+    until(lambda: metric(url, "batchinfer_num_requests_running") == 0)
+    assert metric(url, "batchinfer_num_requests_waiting") == 0
+    assert metric(url, "batchinfer_kv_cache_usage_perc") == 0.0
+    assert threading.active_count() < 50
