@@ -25,8 +25,8 @@ SLOW_STEP_S = 0.05  # added to every engine step: a 400-token request runs for ~
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, object]]:
-    model_dir = make_tiny_llama(_tmp_dir("hardening"))
+def server(tmp_path_factory) -> Iterator[tuple[str, object]]:
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("hardening"))
     app = build_app(
         EngineConfig.from_kwargs(model=str(model_dir), max_num_seqs=1, **ENGINE),
         ServerConfig(api_key=API_KEY, embedding_model="default"),
@@ -43,13 +43,6 @@ def server() -> Iterator[tuple[str, object]]:
 
         runner.execute = slowed
         yield url, app
-
-
-def _tmp_dir(name: str):
-    import tempfile
-    from pathlib import Path
-
-    return Path(tempfile.mkdtemp(prefix=f"batchinfer-{name}-"))
 
 
 def post(url: str, path: str, body: str | dict, headers: dict | None = None) -> httpx.Response:
