@@ -182,3 +182,46 @@ def test_threads_are_left_clean(server):
     assert metric(url, "batchinfer_num_requests_waiting") == 0
     assert metric(url, "batchinfer_kv_cache_usage_perc") == 0.0
     assert threading.active_count() < 50
+
+
+# --------------------------------------------------------------------------- loose input
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": "8"}', "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": true}', "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "stream": "yes"}', "stream"),
+        ("/v1/completions", '{"prompt": "hi", "n": 2.0}', "n"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": 1e9}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "top_p": NaN}', "top_p"),
+        ("/v1/completions", '{"prompt": "hi", "presence_penalty": -Infinity}', "presence_penalty"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": 1000000000}', "max_tokens"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": null}]}', "messages"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user"}]}', "messages"),
+        ("/v1/chat/completions",
+         '{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000}',
+         "max_tokens"),
+    ],
+)
+def test_loose_input_is_refused_naming_the_field(server, path, body, param):
+    url, _ = server
+    response = post(url, path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_max_tokens_up_to_the_context_left_is_served(server):
+    url, app = server
+    max_model_len = app.state.server.llm.max_model_len
+    prompt = [5, 6, 7, 8]
+    fits = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": max_model_len - 4})
+    assert fits.status_code == 200, fits.text
+    too_many = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": max_model_len - 3})
+    assert too_many.status_code == 400
+    assert f"at most {max_model_len - 4}" in too_many.json()["error"]["message"]
+    # An assistant turn may come without content (it is the model's own, already rendered).
+    chat = post(url, "/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"}]})
+    assert chat.status_code == 200, chat.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -98,7 +99,7 @@ def _check_int(name: str, value: object, low: int | None = None) -> None:
 def _check_float(name: str, value: object, low: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"{name} must be a number, got NaN")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")

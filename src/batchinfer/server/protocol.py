@@ -20,6 +20,7 @@ from batchinfer.server.errors import UnicodeChecked
 # Bounds of the request body, so one request cannot ask for unbounded work.
 MAX_N = 16
 MAX_PROMPTS = 256
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
 
 
 class ParamError(ValueError):
@@ -31,7 +32,9 @@ class ParamError(ValueError):
 
 
 class _Schema(UnicodeChecked):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types: "8" or true is no max_tokens and "yes" no stream flag; a client that sends
+    # them has a bug that coercion would hide. (Integers are still taken for float fields.)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Schema):
@@ -46,7 +49,7 @@ class _SamplingFields(_Schema):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -158,6 +161,9 @@ class ChatCompletionRequest(_SamplingFields):
         chat = []
         for i, message in enumerate(self.messages):
             content = message.content
+            if content is None and message.role != "assistant":
+                raise ParamError(f"messages[{i}].content is required for a {message.role} "
+                                 "message", "messages")
             if isinstance(content, list):
                 if any(part.type != "text" or part.text is None for part in content):
                     raise ParamError(

@@ -141,13 +141,22 @@ class OpenAIServing:
         self, prompts: list[Prompt], params: SamplingParams, ids: list[str]
     ) -> list[EngineRequest]:
         processor = self.llm.engine.processor
+        max_model_len = self.llm.max_model_len
         requests = []
         for i, (prompt, request_id) in enumerate(zip(prompts, ids, strict=True)):
+            where = f"prompt[{i}]: " if len(prompts) > 1 else ""
             try:
-                requests.append(processor.process(prompt, params, request_id))
+                request = processor.process(prompt, params, request_id)
             except ValueError as exc:
-                where = f"prompt[{i}]: " if len(prompts) > 1 else ""
                 raise APIError(400, f"{where}{exc}", param="prompt") from None
+            num_prompt = len(request.prompt_token_ids)
+            if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
+                # vLLM's rule: refuse rather than silently cut the output short.
+                raise APIError(400, f"{where}max_tokens {params.max_tokens} + the prompt's "
+                               f"{num_prompt} tokens exceed max_model_len {max_model_len}; "
+                               f"at most {max_model_len - num_prompt} can be generated",
+                               param="max_tokens")
+            requests.append(request)
         return requests
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
