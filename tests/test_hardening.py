@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -225,3 +226,48 @@ def test_max_tokens_up_to_the_context_left_is_served(server):
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
         {"role": "user", "content": "again"}]})
     assert chat.status_code == 200, chat.text
+
+
+# --------------------------------------------------------------------------- admission
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Iterator[str]:
+    """4 seats and 2 waiting places; every step made slow, so a burst finds them taken."""
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("small"))
+    app = build_app(
+        EngineConfig.from_kwargs(model=str(model_dir), max_num_seqs=4, **ENGINE),
+        ServerConfig(max_num_queued_requests=2),
+    )
+    with run_server(app) as url:
+        runner = app.state.server.llm.engine.core.runner
+        execute = runner.execute
+
+        def slowed(scheduler_output):
+            time.sleep(SLOW_STEP_S)
+            return execute(scheduler_output)
+
+        runner.execute = slowed
+        yield url
+
+
+def test_a_burst_fills_the_seats_and_the_queue(small):
+    body = {"prompt": "burst", "max_tokens": 20, "ignore_eos": True}
+
+    def one(_: int) -> int:
+        return httpx.post(f"{small}/v1/completions", json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(one, range(12)))
+    assert set(statuses) <= {200, 429}
+    # 4 running + 2 waiting; the queue bound alone would have let ~2 in.
+    assert statuses.count(200) >= 6
+
+
+def test_a_request_that_can_never_fit_is_a_400_and_runs_nothing(small):
+    prompt_tokens = metric(small, "batchinfer_prompt_tokens_total")
+    body = {"prompt": [[5, 6, 7]] * 7, "max_tokens": 2}  # 7 > 4 seats + 2 waiting
+    response = httpx.post(f"{small}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "split it" in response.json()["error"]["message"]
+    assert metric(small, "batchinfer_prompt_tokens_total") == prompt_tokens
+    fits = httpx.post(f"{small}/v1/completions", json=body | {"prompt": [[5, 6, 7]] * 6},
+                      timeout=60)
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 6

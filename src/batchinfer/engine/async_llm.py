@@ -63,7 +63,9 @@ class StatLogger(Protocol):
 
 @dataclass(slots=True)
 class _Add:
-    request_id: str
+    """Requests admitted together, all or none (the prompts of one HTTP request)."""
+
+    request_ids: list[str]
     sequences: list[Request]
 
 
@@ -164,17 +166,35 @@ class AsyncLLM:
         )
 
     def add_processed(
-        self, request: EngineRequest, kind: RequestOutputKind = RequestOutputKind.DELTA
-    ) -> OutputStream:
-        """Queue a processed request (on the loop); returns its stream. A duplicate id raises
-        `ValueError` here; a queue-full or unfittable request fails its stream."""
+        self, requests: list[EngineRequest], kind: RequestOutputKind = RequestOutputKind.DELTA
+    ) -> list[OutputStream]:
+        """Queue processed requests (on the loop), admitted together or not at all; returns
+        their streams. A duplicate id raises `ValueError` here (nothing queued); when the
+        queue cannot take them all, or one can never fit, every stream fails."""
         if self._dead is not None:
             raise self._dead
         self.start()
-        self._output_processor.add_request(request, kind)
-        stream = self._streams[request.request_id] = OutputStream(kind)
-        self._commands.put(_Add(request.request_id, request.sequences))
-        return stream
+        added: list[str] = []
+        try:
+            for request in requests:
+                self._output_processor.add_request(request, kind)
+                added.append(request.request_id)
+        except ValueError:
+            for request_id in added:
+                self._output_processor.abort(request_id)
+            raise
+        streams = [OutputStream(kind) for _ in requests]
+        self._streams.update(zip(added, streams, strict=True))
+        sequences = [seq for request in requests for seq in request.sequences]
+        self._commands.put(_Add(added, sequences))
+        return streams
+
+    def generate_many(
+        self, requests: list[EngineRequest], kind: RequestOutputKind = RequestOutputKind.DELTA
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """One output stream per processed request, the requests admitted all or none."""
+        streams = self.add_processed(requests, kind)
+        return [self._follow(r.request_id, s) for r, s in zip(requests, streams, strict=True)]
 
     async def generate(
         self,
@@ -189,7 +209,14 @@ class AsyncLLM:
         request = prompt
         if not isinstance(request, EngineRequest):
             request = await self.process(prompt, params, request_id)  # type: ignore[arg-type]
-        stream = self.add_processed(request, kind)
+        (stream,) = self.add_processed([request], kind)
+        async for output in self._follow(request.request_id, stream):
+            yield output
+
+    async def _follow(
+        self, request_id: str, stream: OutputStream
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """A request's outputs until it finishes; leaving early aborts it."""
         finished = False
         try:
             while not finished:
@@ -198,7 +225,7 @@ class AsyncLLM:
                 yield output
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is: its stream ends with finish_reason "abort" and its KV
@@ -315,7 +342,7 @@ class AsyncLLM:
             if isinstance(command, _Add):
                 error = self._admit(command)
                 if error is not None:
-                    rejected.append((command.request_id, error))
+                    rejected.extend((request_id, error) for request_id in command.request_ids)
             elif isinstance(command, _Finish):
                 self._core.finish(command.child_ids, command.status, command.stop_reason)
             command = self._next_command(block=False)
@@ -332,11 +359,18 @@ class AsyncLLM:
             return None
 
     def _admit(self, command: _Add) -> Exception | None:
+        """Queue a command's sequences, all or none. The bound counts sequences waiting beyond
+        the seats (`max_num_seqs`) the next step fills: a burst takes every free seat plus
+        `max_num_queued_requests`, not the queue alone."""
         limit = self.max_num_queued_requests
-        if limit is not None and self._core.num_waiting >= limit:
-            return QueueFullError(
-                f"the server's queue is full ({limit} waiting requests); retry later"
-            )
+        core = self._core
+        if limit is not None:
+            free_seats = max(0, core.max_num_seqs - core.num_running)
+            if core.num_waiting + len(command.sequences) > limit + free_seats:
+                return QueueFullError(
+                    f"the server's queue is full ({limit} waiting requests beyond the "
+                    f"{core.max_num_seqs} running); retry later"
+                )
         try:
             self._core.add_requests(command.sequences)
         except ValueError as exc:

@@ -98,6 +98,14 @@ class EngineCore:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
     def next_dispatch_s(self) -> float | None:
         """When a waiting batch becomes due (dynamic form), for a caller with nothing to run."""
         return self.scheduler.next_dispatch_s()

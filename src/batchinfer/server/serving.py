@@ -85,8 +85,9 @@ class OpenAIServing:
             ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         # Every prompt is tokenized and validated (off the loop) before any is queued.
         requests = await asyncio.to_thread(self._process, prompts, params, ids)
+        self._check_capacity(requests)
         output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        events = _merge([self.llm.generate(r, kind=output_kind) for r in requests])
+        events = _merge(self.llm.generate_many(requests, output_kind))
         render = _Renderer(kind, response_id, self.model_name, params.n, self.token_text)
         if not stream:
             try:
@@ -158,6 +159,20 @@ class OpenAIServing:
                                param="max_tokens")
             requests.append(request)
         return requests
+
+    def _check_capacity(self, requests: list[EngineRequest]) -> None:
+        """400 for a request with more sequences (prompts x n) than the server can ever hold
+        at once (`max_num_seqs` running + `max_num_queued_requests` waiting): a 429 would
+        invite retries that can never succeed."""
+        limit = self.llm.max_num_queued_requests
+        if limit is None:
+            return
+        capacity = limit + self.llm.engine.config.max_num_seqs
+        num_sequences = sum(len(r.sequences) for r in requests)
+        if num_sequences > capacity:
+            raise APIError(400, f"the request holds {num_sequences} sequences (prompts x n) but "
+                           f"this server holds at most {capacity} at once (max_num_seqs + "
+                           "max_num_queued_requests); split it", param="prompt")
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: `{"tokens", "count", "max_model_len"}`."""
