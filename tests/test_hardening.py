@@ -61,12 +61,12 @@ def until(condition, timeout_s: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def raw_request(url: str, body: dict) -> Iterator[socket.socket]:
-    """POST `body` to /v1/completions on a bare socket, read nothing; the block's end closes
-    the connection (a client that leaves)."""
+def raw_request(url: str, body: dict, path: str = "/v1/completions") -> Iterator[socket.socket]:
+    """POST `body` to `path` on a bare socket, read nothing; the block's end closes the
+    connection (a client that leaves)."""
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
             f"authorization: Bearer {API_KEY}\r\ncontent-length: {len(data)}\r\n\r\n")
     sock = socket.create_connection((host, int(port)))
     try:
@@ -117,6 +117,25 @@ def test_a_streaming_client_that_leaves_while_queued_is_aborted_at_once(server):
         )
         assert metric(url, "batchinfer_num_requests_running") == 1
     until(lambda: metric(url, "batchinfer_kv_cache_usage_perc") == 0.0)
+
+
+def test_embeddings_for_a_client_that_left_stop(server):
+    url, _ = server
+
+    def items_done() -> float:  # labelled per batcher: absent until its first batch
+        try:
+            return metric(url, "batchinfer_encoder_batch_size_sum")
+        except KeyError:
+            return 0.0
+
+    before = items_done()
+    texts = [f"item {i}: " + "a fairly long sentence to embed, " * 12 for i in range(1500)]
+    with raw_request(url, {"input": texts}, path="/v1/embeddings"):
+        until(lambda: items_done() > before)  # batches are running
+    until(lambda: metric(url, "batchinfer_encoder_num_items_waiting") == 0, timeout_s=5)
+    time.sleep(0.5)  # a batch that had started may finish; nothing after it
+    processed = items_done() - before
+    assert processed < 1500 / 2, processed
 
 
 # --------------------------------------------------------------------------- errors mid-stream

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ConfigDict, Field
@@ -26,6 +26,7 @@ from batchinfer.batching.embedding_service import (
     EmbeddingResult,
     EmbeddingService,
 )
+from batchinfer.server.disconnect import unless_disconnected
 from batchinfer.server.errors import APIError, UnicodeChecked, install_error_handlers
 
 
@@ -51,7 +52,7 @@ def make_embeddings_router(service: EmbeddingService) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/embeddings")
-    async def create_embeddings(body: EmbeddingRequest) -> Response:
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
         if body.model is not None and body.model not in service.model_aliases:
             raise APIError(404, f"the model {body.model!r} does not exist; this server embeds "
                            f"with {service.model_name!r}", param="model",
@@ -59,8 +60,12 @@ def make_embeddings_router(service: EmbeddingService) -> APIRouter:
         if body.dimensions is not None and body.dimensions != service.encoder.dim:
             raise APIError(400, f"dimensions must be {service.encoder.dim} for "
                            f"{service.model_name}", param="dimensions", code="invalid_value")
-        result = await service.embed(body.input, truncate=body.truncate, lane=body.lane,
-                                     timeout_ms=body.timeout_ms)
+        # A client that leaves cancels the work: its batches not yet started never run.
+        result = await unless_disconnected(
+            service.embed(body.input, truncate=body.truncate, lane=body.lane,
+                          timeout_ms=body.timeout_ms), request)
+        if result is None:
+            return Response(status_code=499)
         return JSONResponse(render_embeddings(result, body.encoding_format, service.model_name))
 
     return router

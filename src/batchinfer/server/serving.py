@@ -31,6 +31,7 @@ from batchinfer.engine.async_llm import (
 from batchinfer.engine.inputs import Prompt
 from batchinfer.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from batchinfer.engine.processor import EngineRequest
+from batchinfer.server.disconnect import unless_disconnected
 from batchinfer.server.errors import APIError, to_api_error
 from batchinfer.server.protocol import (
     ChatCompletionRequest,
@@ -284,24 +285,9 @@ async def _last_per_prompt(events: AsyncIterator[Event]) -> dict[int, RequestOut
 
 
 async def _unless_disconnected(work: Any, request: Request) -> Any:
-    """Await `work` (a generation, or a stream's first event); None, with `work` cancelled, if
-    the client disconnects first."""
-    task = asyncio.ensure_future(_engine_call(work, request))
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (if it ever comes).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Await `work` (a generation, or a stream's first event) with engine errors mapped to
+    HTTP; None, with `work` cancelled, if the client disconnects first."""
+    return await unless_disconnected(_engine_call(work, request), request)
 
 
 # --------------------------------------------------------------------------- rendering
