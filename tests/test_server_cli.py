@@ -32,6 +32,36 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float = 120.0
     raise RuntimeError("the server did not become healthy")
 
 
+def test_sigterm_past_the_shutdown_timeout_ends_each_stream_cleanly(tmp_path):
+    model_dir = make_tiny_llama(tmp_path, max_position_embeddings=2048)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "batchinfer.cli.main", "serve", "--model", str(model_dir),
+               "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16M",
+               "--shutdown-timeout", "0.4", "--log-level", "warning"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_healthy(base_url, proc)
+        body = {"model": "default", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            data = [line[6:] for line in lines if line.startswith("data: ")]
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert data[-1] == "[DONE]"
+    usage = json.loads(data[-2])["usage"]
+    assert 0 < usage["completion_tokens"] < 2000
+    reasons = [c["finish_reason"] for line in data[:-2] for c in json.loads(line)["choices"]]
+    assert reasons[-1] == "abort"
+    assert "cut 1 unfinished request" in log and "CancelledError" not in log, log
+
+
 def test_sigterm_finishes_running_requests_then_exits_0(tmp_path):
     model_dir = make_tiny_llama(tmp_path)
     port = free_port()

@@ -71,9 +71,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_queued_requests=args.max_num_queued_requests,
         max_request_bytes=args.max_request_bytes,
         embedding_model=args.embedding_model,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
     engine_kwargs = collect_flags(args, EngineConfig)
     engine_config = None
     if engine_kwargs.get("model") != "none":

@@ -227,6 +227,14 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    def abort_all(self) -> int:
+        """Abort every unfinished request (each stream ends with finish_reason "abort");
+        returns how many there were."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is: its stream ends with finish_reason "abort" and its KV
         blocks are free before the engine's next step. Unknown or finished ids are ignored."""

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchinfer import __version__
 from batchinfer.core.config import EngineConfig
-from batchinfer.core.validation import check_int
+from batchinfer.core.validation import check_int, check_non_negative
 from batchinfer.engine.async_llm import AsyncLLM
 from batchinfer.server.errors import APIError, error_response, install_error_handlers
 from batchinfer.server.metrics import ServerMetrics
@@ -41,6 +41,9 @@ from batchinfer.server.serving import RETRY_AFTER_S, OpenAIServing
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_ALIAS = "default"
 UNGUARDED_PATHS = ("/health", "/metrics", "/version")
+# Unfinished requests are cut this long (at most a quarter of the timeout) before
+# --shutdown-timeout ends, so their last chunks are written before connections close.
+CUT_MARGIN_S = 0.5
 # Without the API key, only these answer: probes and scrapers carry no key. Everything else
 # (/v1/*, /tokenize, /detokenize, /version, /docs, /openapi.json) costs work or shows the API.
 OPEN_PATHS = ("/health", "/metrics")
@@ -55,8 +58,13 @@ class ServerConfig:
     max_num_queued_requests: int = 1024
     max_request_bytes: int = 1 << 20
     embedding_model: str | None = None
+    # After a drain signal, requests still running this long before the server stops waiting
+    # for them are cut (each ends cleanly: finish_reason "abort"); None: never cut.
+    shutdown_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.shutdown_timeout_s is not None:
+            check_non_negative("shutdown_timeout_s", self.shutdown_timeout_s)
         check_int("max_num_queued_requests", self.max_num_queued_requests)
         check_int("max_request_bytes", self.max_request_bytes)
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -78,10 +86,26 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.on_fatal: Callable[[], None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def begin_drain(self) -> None:
-        """Stop admitting requests (503); running ones go on."""
+        """Stop admitting requests (503); running ones go on, until just before the shutdown
+        timeout, when the rest are cut so that each still gets a final answer (a last chunk
+        with finish_reason "abort" and [DONE]) before the server closes its connections.
+        Safe to call from a signal handler."""
         self.draining = True
+        timeout_s = self.config.shutdown_timeout_s
+        if timeout_s is not None and self.loop is not None:
+            delay_s = max(0.0, timeout_s - min(CUT_MARGIN_S, timeout_s / 4))
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay_s, self._cut_remaining)
+
+    def _cut_remaining(self) -> None:
+        if self.llm is None:
+            return
+        num_cut = self.llm.abort_all()
+        if num_cut:
+            logger.warning("shutdown: cut %d unfinished request(s) at --shutdown-timeout",
+                           num_cut)
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Build the engine and the embedding service (in a background thread); hand them to
@@ -166,7 +190,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
+        loop = state.loop = asyncio.get_running_loop()
         threading.Thread(target=state.load, args=(loop,), name="batchinfer-load",
                          daemon=True).start()
         yield
