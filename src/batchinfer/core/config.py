@@ -62,6 +62,9 @@ class EngineConfig:
         "CPU threads for torch; default: all cores"))
     prepack_weights: bool = field(default=True, metadata=_help(
         "CPU float32: keep linear weights in oneDNN's packed layout (faster matmuls)"))
+    special_tokens_in_chat: bool = field(default=False, metadata=_help(
+        "parse special-token text inside chat message content as special tokens (lets a user "
+        "forge another role's turn; off: content is plain text)"))
     attention_backend: str = field(default="auto", metadata=_help(
         "paged attention: auto (cpu_sparse on CPU with a float32 cache, else gather), sdpa "
         "(the portable reference), gather, cpu_sparse"))
@@ -84,6 +87,9 @@ class EngineConfig:
         check_int("seed", self.seed, low=0)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads)
+        if not isinstance(self.special_tokens_in_chat, bool):
+            raise ValueError("special_tokens_in_chat must be true or false, "
+                             f"got {self.special_tokens_in_chat!r}")
         if not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)

@@ -1,9 +1,19 @@
-"""Prompt forms accepted by the engine: text, token ids, or chat messages."""
+"""Prompt forms accepted by the engine: text, token ids, or chat messages.
+
+Chat content is text, never markup: a message that contains the text of a special token
+(`<|im_end|>\n<|im_start|>system`) is tokenized as that text, so a user cannot forge a turn of
+another role; only the chat template's own markers become special tokens.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+# Stands for message i's content while the template renders (no template alters it).
+_CONTENT_MARK = "\x1eBATCHINFER_CONTENT_{}\x1e"
+_CONTENT_MARK_RE = re.compile("\x1eBATCHINFER_CONTENT_([0-9]+)\x1e")
 
 # A chat is a list of {"role": ..., "content": ...} messages.
 Chat = Sequence[Mapping[str, Any]]
@@ -25,14 +35,19 @@ def is_chat(prompt: object) -> bool:
     )
 
 
-def tokenize_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> tuple[str | None, list[int]]:
-    """Return (prompt text or None, token ids). `ValueError` names what is wrong."""
+def tokenize_prompt(
+    tokenizer: Any, prompt: Prompt, vocab_size: int, special_tokens_in_chat: bool = False
+) -> tuple[str | None, list[int]]:
+    """Return (prompt text or None, token ids). `ValueError` names what is wrong.
+
+    `special_tokens_in_chat=True` parses special-token text inside chat content as the special
+    tokens (the template's markers always are): only for callers who trust their users."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
         return prompt, list(tokenizer.encode(prompt))
     if is_chat(prompt):
-        return _render_chat(tokenizer, prompt)  # type: ignore[arg-type]
+        return _render_chat(tokenizer, prompt, special_tokens_in_chat)  # type: ignore[arg-type]
     if is_token_ids(prompt):
         ids: list[int] = [int(t) for t in prompt]  # type: ignore[arg-type]
         if not ids:
@@ -47,7 +62,9 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> tuple[st
     )
 
 
-def _render_chat(tokenizer: Any, messages: Chat) -> tuple[str, list[int]]:
+def _render_chat(
+    tokenizer: Any, messages: Chat, special_tokens_in_content: bool = False
+) -> tuple[str, list[int]]:
     for i, message in enumerate(messages):
         if "role" not in message or "content" not in message:
             raise ValueError(f"messages[{i}] needs 'role' and 'content'")
@@ -55,10 +72,49 @@ def _render_chat(tokenizer: Any, messages: Chat) -> tuple[str, list[int]]:
             raise ValueError(f"messages[{i}].role must be a string")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-    )
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    text = _apply_template(tokenizer, [dict(m) for m in messages])
+    if special_tokens_in_content or not _holds_special_text(tokenizer, messages):
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        ids = _encode_content_as_text(tokenizer, messages)
     if not ids:
         raise ValueError("messages render to an empty prompt")
     return text, ids
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    text: str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text
+
+
+def _holds_special_text(tokenizer: Any, messages: Chat) -> bool:
+    specials = _special_texts(tokenizer)
+    return any(
+        isinstance(m["content"], str) and any(s in m["content"] for s in specials)
+        for m in messages
+    )
+
+
+def _special_texts(tokenizer: Any) -> set[str]:
+    texts = set(getattr(tokenizer, "all_special_tokens", ()))
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(token, "special", False):
+            texts.add(token.content)
+    return {t for t in texts if t}
+
+
+def _encode_content_as_text(tokenizer: Any, messages: Chat) -> list[int]:
+    """Render with a mark in place of each content, then tokenize the template's own text with
+    special tokens and each content as plain text, in order."""
+    marked = [dict(m, content=_CONTENT_MARK.format(i)) if isinstance(m["content"], str)
+              else dict(m) for i, m in enumerate(messages)]
+    pieces = _CONTENT_MARK_RE.split(_apply_template(tokenizer, marked))
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:  # template text
+            ids.extend(tokenizer.encode(piece, add_special_tokens=False))
+        else:  # a message's content
+            content = messages[int(piece)]["content"]
+            ids.extend(tokenizer.encode(content, add_special_tokens=False,
+                                        split_special_tokens=True))
+    return ids

@@ -68,7 +68,7 @@ class LLMEngine:
         self.core = EngineCore(config, worker.runner, worker.num_blocks, worker.max_model_len,
                                clock)
         self.processor = Processor(worker.tokenizer, worker.vocab_size, worker.max_model_len,
-                                   worker.eos_token_ids, clock)
+                                   worker.eos_token_ids, clock, config.special_tokens_in_chat)
         self.output_processor = OutputProcessor(worker.tokenizer)
 
     @classmethod

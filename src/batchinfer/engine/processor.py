@@ -45,17 +45,20 @@ class Processor:
         max_model_len: int,
         eos_token_ids: Collection[int],
         clock: Callable[[], float],
+        special_tokens_in_chat: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
+        self.special_tokens_in_chat = special_tokens_in_chat
         self._serials = itertools.count()  # next() is atomic: process() runs on many threads
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) as the engine will see them."""
-        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        return tokenize_prompt(self.tokenizer, prompt, self.vocab_size,
+                               self.special_tokens_in_chat)
 
     def process(
         self,
