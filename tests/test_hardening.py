@@ -30,7 +30,7 @@ def server(tmp_path_factory) -> Iterator[tuple[str, object]]:
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("hardening"))
     app = build_app(
         EngineConfig.from_kwargs(model=str(model_dir), max_num_seqs=1, **ENGINE),
-        ServerConfig(api_key=API_KEY, embedding_model="default"),
+        ServerConfig(api_key=API_KEY, embedding_model="default", max_client_batch_size=1600),
     )
     with run_server(app) as url:
         runner = app.state.server.llm.engine.core.runner
@@ -136,6 +136,13 @@ def test_embeddings_for_a_client_that_left_stop(server):
     time.sleep(0.5)  # a batch that had started may finish; nothing after it
     processed = items_done() - before
     assert processed < 1500 / 2, processed
+
+
+def test_max_client_batch_size_bounds_an_embeddings_request(server):
+    url, _ = server
+    response = post(url, "/v1/embeddings", {"input": ["x"] * 1601})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    assert "max_client_batch_size=1600" in response.json()["error"]["message"]
 
 
 # --------------------------------------------------------------------------- errors mid-stream

@@ -97,7 +97,9 @@ def test_sigterm_finishes_running_requests_then_exits_0(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "named"),
     [(["--max-num-queued-requests", "0"], "max_num_queued_requests"),
-     (["--model", "none"], "--embedding-model")],
+     (["--model", "none"], "--embedding-model"),
+     (["--max-client-batch-size", "0"], "max_client_batch_size"),
+     (["--embedding-max-batch-size", "0"], "max_batch_size")],
 )
 def test_serve_rejects_bad_flags(flags, named):
     result = subprocess.run([sys.executable, "-m", "batchinfer.cli.main", "serve", *flags],

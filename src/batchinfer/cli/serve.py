@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from batchinfer.batching.embedding_service import ENCODER_BATCHER_CONFIG
 from batchinfer.cli.options import add_engine_flags, collect_flags
 from batchinfer.core.config import EngineConfig, parse_bytes
 
@@ -40,7 +42,8 @@ def register(subparsers: Any) -> None:
                         help="address to bind (default: 127.0.0.1, this machine only)")
     server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* "
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                        "and /metrics "
                         f"(default: ${API_KEY_ENV} if set)")
     server.add_argument("--served-model-name", default=None,
                         help="model id in the API (default: the model's name); 'default' is "
@@ -56,6 +59,24 @@ def register(subparsers: Any) -> None:
     server.add_argument("--embedding-model", default=None,
                         help="also serve /v1/embeddings with this encoder (with --model none: "
                         "embeddings only)")
+    encoder = ENCODER_BATCHER_CONFIG
+    server.add_argument("--max-client-batch-size", type=int, default=2048,
+                        help="most inputs in one /v1/embeddings request; beyond: HTTP 400 "
+                        "(default: 2048)")
+    server.add_argument("--embedding-max-batch-size", type=int, default=encoder.max_batch_size,
+                        help="encoder batcher: most items in one batch "
+                        f"(default: {encoder.max_batch_size})")
+    server.add_argument("--embedding-max-batch-delay-ms", type=float,
+                        default=encoder.max_batch_delay_ms,
+                        help="encoder batcher: dispatch once the oldest item waited this long "
+                        f"(default: {encoder.max_batch_delay_ms:g})")
+    server.add_argument("--embedding-max-batch-tokens", type=int,
+                        default=encoder.max_batch_tokens,
+                        help="encoder batcher: token budget of one padded batch "
+                        f"(default: {encoder.max_batch_tokens})")
+    server.add_argument("--embedding-max-queue-size", type=int, default=encoder.max_queue_size,
+                        help="encoder batcher: most items waiting; beyond: HTTP 429 "
+                        f"(default: {encoder.max_queue_size})")
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     add_engine_flags(parser)
@@ -72,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         embedding_model=args.embedding_model,
         shutdown_timeout_s=args.shutdown_timeout,
+        max_client_batch_size=args.max_client_batch_size,
+        embedding_batcher=dataclasses.replace(
+            ENCODER_BATCHER_CONFIG, max_batch_size=args.embedding_max_batch_size,
+            max_batch_delay_ms=args.embedding_max_batch_delay_ms,
+            max_batch_tokens=args.embedding_max_batch_tokens,
+            max_queue_size=args.embedding_max_queue_size),
     )
     engine_kwargs = collect_flags(args, EngineConfig)
     engine_config = None

@@ -25,6 +25,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchinfer import __version__
+from batchinfer.batching.config import BatcherConfig
+from batchinfer.batching.embedding_service import ENCODER_BATCHER_CONFIG, EmbeddingConfig
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.validation import check_int, check_non_negative
 from batchinfer.engine.async_llm import AsyncLLM
@@ -58,6 +60,8 @@ class ServerConfig:
     max_num_queued_requests: int = 1024
     max_request_bytes: int = 1 << 20
     embedding_model: str | None = None
+    max_client_batch_size: int = 2048  # most inputs in one /v1/embeddings request
+    embedding_batcher: BatcherConfig = ENCODER_BATCHER_CONFIG  # the encoder's dynamic batcher
     # After a drain signal, requests still running this long before the server stops waiting
     # for them are cut (each ends cleanly: finish_reason "abort"); None: never cut.
     shutdown_timeout_s: float | None = None
@@ -66,6 +70,7 @@ class ServerConfig:
         if self.shutdown_timeout_s is not None:
             check_non_negative("shutdown_timeout_s", self.shutdown_timeout_s)
         check_int("max_num_queued_requests", self.max_num_queued_requests)
+        check_int("max_client_batch_size", self.max_client_batch_size)
         check_int("max_request_bytes", self.max_request_bytes)
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
@@ -119,8 +124,10 @@ class ServerState:
             if self.config.embedding_model is not None:
                 from batchinfer.server.embeddings import make_embeddings_service
 
-                embedder = make_embeddings_service(self.config.embedding_model,
-                                                   registry=self.metrics.registry)
+                embedder = make_embeddings_service(
+                    self.config.embedding_model, registry=self.metrics.registry,
+                    config=EmbeddingConfig(max_client_batch_size=self.config.max_client_batch_size),
+                    batcher_config=self.config.embedding_batcher)
         except Exception as exc:
             logger.exception("loading the model failed")
             loop.call_soon_threadsafe(self._failed, f"{type(exc).__name__}: {exc}")
