@@ -326,3 +326,44 @@ def test_special_tokens_in_chat_restores_parsing_and_plain_content_is_exact(tmp_
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox"}]
     _, whole = inputs.tokenize_prompt(tokenizer, plain, 300)
     assert inputs._encode_content_as_text(tokenizer, plain) == whole
+
+
+# --------------------------------------------------------------------------- connections
+def test_idle_connections_are_closed_and_huge_heads_get_431(tmp_path):
+    import uvicorn
+
+    from batchinfer.server.connections import guarded_protocol
+    from tests.test_server import free_port
+
+    model_dir = make_tiny_llama(tmp_path)
+    app = build_app(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning",
+        http=guarded_protocol(header_timeout_s=0.5, max_header_bytes=8 << 10),
+        limit_concurrency=64,
+    ))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until(lambda: _healthy(url))
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        trickle = socket.create_connection(("127.0.0.1", port))
+        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never finishes
+        for sock in [*idle, trickle]:
+            sock.settimeout(5)
+            assert sock.recv(1024) == b""  # closed by the server, within the timeout
+            sock.close()
+        big = httpx.get(f"{url}/health", headers={"x-padding": "a" * (16 << 10)})
+        assert big.status_code == 431
+        assert httpx.get(f"{url}/health").status_code == 200  # still serving
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health").status_code == 200
+    return False

@@ -22,6 +22,7 @@ import uvicorn
 from batchinfer.batching.embedding_service import ENCODER_BATCHER_CONFIG
 from batchinfer.cli.options import add_engine_flags, collect_flags
 from batchinfer.core.config import EngineConfig, parse_bytes
+from batchinfer.core.validation import check_int, check_non_negative
 
 API_KEY_ENV = "BATCHINFER_API_KEY"
 
@@ -59,6 +60,16 @@ def register(subparsers: Any) -> None:
     server.add_argument("--embedding-model", default=None,
                         help="also serve /v1/embeddings with this encoder (with --model none: "
                         "embeddings only)")
+    server.add_argument("--limit-concurrency", type=int, default=2048,
+                        help="most open connections (and in-flight requests); beyond: HTTP 503 "
+                        "(default: 2048)")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default: 5)")
+    server.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection has to send a whole request head; then it "
+                        "is closed (default: 10)")
+    server.add_argument("--max-header-bytes", type=_bytes, default=64 << 10,
+                        help="largest request head; beyond: HTTP 431 (default: 64K)")
     encoder = ENCODER_BATCHER_CONFIG
     server.add_argument("--max-client-batch-size", type=int, default=2048,
                         help="most inputs in one /v1/embeddings request; beyond: HTTP 400 "
@@ -108,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--model none serves nothing; add --embedding-model NAME")
 
     from batchinfer.server.app import build_app
+    from batchinfer.server.connections import guarded_protocol
+
+    for name in ("limit_concurrency", "max_header_bytes"):
+        check_int(name, getattr(args, name))
+    for name in ("timeout_keep_alive", "header_timeout"):
+        check_non_negative(name, getattr(args, name))
 
     # The engine's own log lines (model ready, KV cache size, failed steps) at the same level
     # as uvicorn's, in the same stream.
@@ -120,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        http=guarded_protocol(args.header_timeout, args.max_header_bytes),
+        h11_max_incomplete_event_size=args.max_header_bytes + 1024,
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     server = GracefulServer(config, on_exit_signal=app.state.server.begin_drain)
     app.state.server.on_fatal = server.request_exit
