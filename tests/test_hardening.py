@@ -367,3 +367,26 @@ def _healthy(url: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
         return httpx.get(f"{url}/health").status_code == 200
     return False
+
+
+# --------------------------------------------------------------------------- metrics
+def test_tokens_of_a_reader_that_falls_behind_are_counted_once(tmp_path):
+    model_dir = make_tiny_llama(tmp_path)
+    app = build_app(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE))
+    body = {"prompt": [5, 6], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with run_server(app) as url:
+        before = metric(url, "batchinfer_generation_tokens_total")
+        with raw_request(url, body) as sock:
+            # Read nothing until the engine is done: the SSE writer stalls on the full socket
+            # meanwhile, and the stream merges what it could not send.
+            until(lambda: metric(url, "batchinfer_num_requests_running") == 0, timeout_s=60)
+            received = b""
+            sock.settimeout(30)
+            while b"data: [DONE]" not in received:
+                chunk = sock.recv(1 << 16)
+                assert chunk, "the server closed the stream early"
+                received += chunk
+        assert metric(url, "batchinfer_generation_tokens_total") - before == 500
+        assert metric(url, "batchinfer_num_requests_waiting") == 0  # gauges fresh while idle
+        assert metric(url, "batchinfer_kv_cache_usage_perc") == 0.0
+    assert b'"finish_reason":"length"' in received
