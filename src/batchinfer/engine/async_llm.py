@@ -250,13 +250,12 @@ class AsyncLLM:
     def _on_step(self, result: _StepResult) -> None:
         for request_id, error in result.rejected:
             self._fail(request_id, error, record=False)
-        touched = self._output_processor.parent_ids(result.outputs)
         try:
             self._process_step(result)
         except Exception as exc:  # e.g. a tokenizer that fails to decode: fail its requests
             logger.exception("processing a step's outputs failed")
             message = f"{type(exc).__name__}: {exc}"
-            for request_id in touched:
+            for request_id in self._output_processor.parent_ids(result.outputs):
                 self._fail(request_id, RequestFailedError(request_id, message), record=True)
 
     def _process_step(self, result: _StepResult) -> None:

@@ -41,8 +41,11 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._start_header_timer()
 
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
     def data_received(self, data: bytes) -> None:
-        if self.cycle is None or self.cycle.response_complete:
+        if self._between_requests():
             buffered = len(self.conn.trailing_data[0]) + len(data)
             if buffered > self.max_header_bytes and self.conn.their_state == h11.IDLE:
                 self._send_431()
@@ -62,7 +65,7 @@ class GuardedH11Protocol(H11Protocol):
         # A request whose head arrived has a cycle; only a connection still without one (idle,
         # or trickling its head) is closed.
         self._header_timer = None
-        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+        if self._between_requests() and not self.transport.is_closing():
             self.transport.close()
 
     def _send_431(self) -> None:

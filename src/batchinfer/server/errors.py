@@ -97,6 +97,8 @@ def first_invalid_text(value: Any, path: str = "") -> str | None:
         except UnicodeEncodeError:
             return path or "body"
         return None
+    if isinstance(value, UnicodeChecked) and path:
+        return None  # a nested schema checked itself when it was built
     if isinstance(value, BaseModel):
         items: Any = ((name, getattr(value, name)) for name in type(value).model_fields)
     elif isinstance(value, dict):

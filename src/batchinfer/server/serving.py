@@ -64,12 +64,16 @@ class OpenAIServing:
         params = _checked(body.sampling_params)
         prompts: list[Prompt] = list(_checked(body.prompts))
         return await self._run("completion", prompts, params, body.stream, body.include_usage,
-                               request)
+                               "max_tokens", request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = _checked(body.sampling_params)
         chat = _checked(body.chat)
-        return await self._run("chat", [chat], params, body.stream, body.include_usage, request)
+        max_tokens_param = "max_tokens"
+        if body.max_completion_tokens is not None:
+            max_tokens_param = "max_completion_tokens"
+        return await self._run("chat", [chat], params, body.stream, body.include_usage,
+                               max_tokens_param, request)
 
     async def _run(
         self,
@@ -78,6 +82,7 @@ class OpenAIServing:
         params: SamplingParams,
         stream: bool,
         include_usage: bool,
+        max_tokens_param: str,
         request: Request,
     ) -> Response:
         response_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
@@ -85,7 +90,8 @@ class OpenAIServing:
         if len(prompts) > 1:
             ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         # Every prompt is tokenized and validated (off the loop) before any is queued.
-        requests = await asyncio.to_thread(self._process, prompts, params, ids)
+        requests = await asyncio.to_thread(self._process, prompts, params, ids,
+                                         max_tokens_param)
         self._check_capacity(requests)
         output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         events = _merge(self.llm.generate_many(requests, output_kind))
@@ -140,7 +146,8 @@ class OpenAIServing:
         yield b"data: [DONE]\n\n"
 
     def _process(
-        self, prompts: list[Prompt], params: SamplingParams, ids: list[str]
+        self, prompts: list[Prompt], params: SamplingParams, ids: list[str],
+        max_tokens_param: str,
     ) -> list[EngineRequest]:
         processor = self.llm.engine.processor
         max_model_len = self.llm.max_model_len
@@ -154,10 +161,10 @@ class OpenAIServing:
             num_prompt = len(request.prompt_token_ids)
             if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
                 # vLLM's rule: refuse rather than silently cut the output short.
-                raise APIError(400, f"{where}max_tokens {params.max_tokens} + the prompt's "
+                raise APIError(400, f"{where}{max_tokens_param} {params.max_tokens} + the prompt's "
                                f"{num_prompt} tokens exceed max_model_len {max_model_len}; "
                                f"at most {max_model_len - num_prompt} can be generated",
-                               param="max_tokens")
+                               param=max_tokens_param)
             requests.append(request)
         return requests
 
