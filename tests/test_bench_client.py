@@ -12,6 +12,7 @@ from batchinfer.bench.client import (
     RequestResult,
     _on_lines,
     build_request,
+    error_code,
     error_message,
     send_request,
 )
@@ -79,6 +80,13 @@ def test_error_message() -> None:
     assert error_message(b'{"error": {"message": "no such model"}}') == "no such model"
     assert error_message(b'{"detail": "Not Found"}') == "Not Found"
     assert error_message(b"plain text") == "plain text"
+
+
+def test_error_code() -> None:
+    assert error_code(b'{"error": {"message": "m", "code": "queue_timeout"}}') == "queue_timeout"
+    for body in (b'{"error": {"code": 429}}', b'{"error": {"code": null}}', b'{"code": "x"}',
+                 b'{"error": "x"}', b"[1]", b"plain text"):
+        assert error_code(body) is None, body
 
 
 def test_slot_transport_reuses_one_connection_per_request_in_flight() -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from batchinfer.bench.client import RequestResult
 from batchinfer.bench.metrics import (
+    compute_class_metrics,
     compute_metrics,
     concurrency_at,
     latency_stats,
@@ -46,6 +47,36 @@ def test_per_request_definitions() -> None:
     assert m.total_token_throughput == pytest.approx(18.5)
     assert m.goodput == pytest.approx(0.5)  # only the first meets TTFT <= 200 ms
     assert m.max_concurrent_requests == 2
+
+
+def test_per_class_metrics() -> None:
+    results = [make_result(0.0, 0.1, 0.02, 11), make_result(0.5, 0.3, 0.04, 6),
+               make_result(0.2, 0.5, 0.1, 3), RequestResult(0.2, end_s=0.3, error="HTTP 500"),
+               RequestResult(0.4, end_s=0.6, error="HTTP 503 queue_timeout")]
+    for r, name in zip(results, ("interactive", "interactive", "batch", "interactive", "batch"),
+                       strict=True):
+        r.request_class = name
+    per_class = compute_class_metrics(results, ["interactive", "batch", "idle"], 2.0, 0.0,
+                                      {"ttft": 200})
+    interactive, batch, idle = per_class["interactive"], per_class["batch"], per_class["idle"]
+    assert list(per_class) == ["interactive", "batch", "idle"]
+    assert (interactive.completed, interactive.failed) == (2, 1)
+    assert interactive.failed_by_reason == {"HTTP 500": 1}
+    assert interactive.ttft.mean_ms == pytest.approx(200.0)
+    assert interactive.tpot.p99_ms == pytest.approx(np.percentile([20, 40], 99))
+    assert interactive.itl.p90_ms == pytest.approx(np.percentile([20.0] * 10 + [40.0] * 5, 90))
+    assert interactive.output_throughput == pytest.approx(17 / 2.0)
+    assert interactive.goodput == pytest.approx(0.5)
+    assert (batch.completed, batch.failed) == (1, 1)
+    assert batch.failed_by_reason == {"HTTP 503 queue_timeout": 1}
+    assert batch.ttft.p50_ms == pytest.approx(500.0)
+    assert batch.e2el.p99_ms == pytest.approx(700.0)  # TTFT + 2 gaps of 100 ms
+    assert batch.output_throughput == pytest.approx(3 / 2.0) and batch.goodput == 0.0
+    assert (idle.completed, idle.failed, idle.ttft, idle.output_throughput) == (0, 0, None, 0)
+    overall = compute_metrics(results, 2.0, 0.0, {"ttft": 200})
+    assert overall.completed == interactive.completed + batch.completed
+    assert overall.output_throughput == pytest.approx(interactive.output_throughput
+                                                      + batch.output_throughput)
 
 
 def test_usage_beats_chunk_count_and_fallbacks() -> None:

@@ -9,6 +9,7 @@ regular. The coefficient of variation of the intervals is `1 / sqrt(burstiness)`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,6 +33,15 @@ def arrival_times(
     scale = 1.0 / (request_rate * burstiness)
     intervals = rng.gamma(shape=burstiness, scale=scale, size=num_requests - 1)
     return [0.0, *np.cumsum(intervals).tolist()]
+
+
+def burst_arrival_times(
+    in_burst: Sequence[bool], request_rate: float, burstiness: float = 1.0, seed: int = 0
+) -> list[float]:
+    """Send times, one per request in order: 0 for those `in_burst`, the others in their order
+    on the schedule of `arrival_times` (so the list is not sorted when bursts follow others)."""
+    scheduled = iter(arrival_times(in_burst.count(False), request_rate, burstiness, seed))
+    return [0.0 if burst else next(scheduled) for burst in in_burst]
 
 
 def check_arrivals(request_rate: float, burstiness: float) -> None:

@@ -37,8 +37,11 @@ class RequestResult:
     chunk_times_s: list[float] = field(default_factory=list)
     num_prompt_tokens: int | None = None  # from the server's usage
     num_usage_output_tokens: int | None = None  # from the server's usage
-    error: str | None = None  # a short, countable reason: "HTTP 429", "RemoteProtocolError"
+    # A short, countable reason: "HTTP 500", "HTTP 503 queue_timeout" (the status and the
+    # body's string error code, if any), "RemoteProtocolError".
+    error: str | None = None
     error_detail: str | None = None
+    request_class: str | None = None  # the `--mix` class it was sent as
 
     @property
     def success(self) -> bool:
@@ -80,6 +83,8 @@ def request_body(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if request.request_class is not None:
+        body["service_tier"] = request.request_class
     if endpoint == "chat":
         body["messages"] = _messages(request)
     elif request.messages is not None:
@@ -126,7 +131,8 @@ async def send_request(client: httpx.AsyncClient, request: httpx.Request) -> Req
 async def _read_response(response: httpx.Response, result: RequestResult) -> None:
     if response.status_code != 200:
         await response.aread()
-        result.error = f"HTTP {response.status_code}"
+        code = error_code(response.content)
+        result.error = f"HTTP {response.status_code}" + (f" {code}" if code else "")
         result.error_detail = error_message(response.content)
         return
     if "text/event-stream" not in response.headers.get("content-type", ""):
@@ -187,6 +193,17 @@ def error_message(content: bytes) -> str:
     if isinstance(error, dict):
         error = error.get("message") or error.get("detail") or error
     return str(error)[:200]
+
+
+def error_code(content: bytes) -> str | None:
+    """The string `code` of an OpenAI-style error body (`queue_timeout`), or None."""
+    try:
+        data = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and code else None
 
 
 async def served_models(client: httpx.AsyncClient, base_url: str) -> list[str] | None:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from batchinfer.bench.arrival import check_arrivals
+from batchinfer.bench.mix import check_class_options, check_mix
 from batchinfer.bench.workload import parse_length_spec
 from batchinfer.core.validation import check_choice, check_int
 
@@ -42,6 +43,12 @@ class BenchConfig:
     result_name: str | None = None  # file stem; default bench-<endpoint>-rate<r>-<time>
     plots: bool = True
     show_progress: bool = True
+    # Priority classes (see `mix.py`): class -> probability (weights are normalised), and per
+    # class: a length spec (else --input-len / --output-len), an arrival mode (else "rate").
+    mix: dict[str, float] = field(default_factory=dict)
+    class_input_len: dict[str, str] = field(default_factory=dict)
+    class_output_len: dict[str, str] = field(default_factory=dict)
+    mix_arrival: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
@@ -65,6 +72,12 @@ class BenchConfig:
             raise ValueError("--scrape-interval-s must be > 0")
         parse_length_spec(self.input_len, "--input-len")
         parse_length_spec(self.output_len, "--output-len")
+        object.__setattr__(self, "mix", check_mix(self.mix))
+        check_class_options(self.mix, self.class_input_len, self.class_output_len,
+                            self.mix_arrival)
+        if self.dataset == "jsonl" and (self.class_input_len or self.class_output_len):
+            raise ValueError("--class-input-len and --class-output-len need --dataset random "
+                             "or shared-prefix (a JSONL file has its own prompts)")
 
     def to_json(self) -> dict[str, Any]:
         """All fields, JSON-safe (an infinite rate is written as the string "inf")."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from batchinfer.bench.arrival import arrival_times
+from batchinfer.bench.arrival import burst_arrival_times
 from batchinfer.bench.client import (
     ENDPOINT_PATHS,
     RequestResult,
@@ -32,11 +32,15 @@ from batchinfer.bench.client import (
     served_models,
 )
 from batchinfer.bench.config import BenchConfig
-from batchinfer.bench.metrics import BenchMetrics, compute_metrics
+from batchinfer.bench.metrics import BenchMetrics, compute_class_metrics, compute_metrics
+from batchinfer.bench.mix import assign_classes
 from batchinfer.bench.scrape import MetricsScraper, ServerSample, ServerSummary, summarize_server
 from batchinfer.bench.transport import make_client
 from batchinfer.bench.workload import (
     BenchRequest,
+    ClassLengths,
+    Lengths,
+    LengthSpec,
     jsonl_workload,
     parse_length_spec,
     shared_prefix_workload,
@@ -46,7 +50,8 @@ from batchinfer.bench.workload import (
 
 @dataclass(slots=True)
 class BenchResult:
-    """Everything one run measured; `start_s` is the perf_counter origin of the timelines."""
+    """Everything one run measured; `start_s` is the perf_counter origin of the timelines.
+    `class_metrics` has the metrics of each `--mix` class (empty without a mix)."""
 
     config: BenchConfig
     model: str
@@ -57,21 +62,43 @@ class BenchResult:
     server_samples: list[ServerSample]
     server: ServerSummary | None
     num_warmup_failed: int
+    class_metrics: dict[str, BenchMetrics] = dataclasses.field(default_factory=dict)
 
 
 def build_workload(
     config: BenchConfig, num_requests: int, seed: int, tokens_per_word: float = 1.0
 ) -> list[BenchRequest]:
-    """The prompts of `config.dataset`, reproducible from `seed`."""
-    input_len = parse_length_spec(config.input_len, "--input-len")
-    output_len = parse_length_spec(config.output_len, "--output-len")
+    """The prompts of `config.dataset`, reproducible from `seed`; with `config.mix`, each of a
+    class drawn from the mix, with that class's lengths."""
+    classes = assign_classes(config.mix, num_requests, seed)
+    requests = _dataset(config, num_requests, seed, tokens_per_word, classes)
+    return [dataclasses.replace(r, request_class=c)
+            for r, c in zip(requests, classes, strict=True)] if classes else requests
+
+
+def _dataset(
+    config: BenchConfig, num_requests: int, seed: int, tokens_per_word: float, classes: list[str]
+) -> list[BenchRequest]:
+    output_spec = parse_length_spec(config.output_len, "--output-len")
     if config.dataset == "jsonl":
-        return jsonl_workload(Path(str(config.dataset_path)), num_requests, output_len, seed)
+        return jsonl_workload(Path(str(config.dataset_path)), num_requests, output_spec, seed)
+    input_len = _lengths(parse_length_spec(config.input_len, "--input-len"),
+                         config.class_input_len, classes, "--class-input-len")
+    output_len = _lengths(output_spec, config.class_output_len, classes, "--class-output-len")
     if config.dataset == "shared-prefix":
         return shared_prefix_workload(num_requests, config.shared_prefix_len,
                                       config.num_prefixes, input_len, output_len, seed,
                                       tokens_per_word)
     return synthetic_workload(num_requests, input_len, output_len, seed, tokens_per_word)
+
+
+def _lengths(
+    default: LengthSpec, overrides: dict[str, str], classes: list[str], flag: str
+) -> Lengths:
+    if not overrides:
+        return default
+    specs = {name: parse_length_spec(text, f"{flag} {name}") for name, text in overrides.items()}
+    return ClassLengths(tuple(classes), default, specs)
 
 
 async def run_benchmark(
@@ -96,8 +123,7 @@ async def run_benchmark(
         url = config.base_url + ENDPOINT_PATHS[config.endpoint]
         num_warmup_failed = await _check_and_warm_up(client, config, url, model,
                                                      tokens_per_word, probe=served is None)
-        arrivals = arrival_times(config.num_prompts, config.request_rate, config.burstiness,
-                                 config.seed)
+        measured, arrivals = _schedule(config, measured)
         http_requests = _http_requests(client, url, measured, config, model)
         scraper = MetricsScraper(config.base_url, config.scrape_interval_s)
         if on_measure_start is not None:
@@ -109,6 +135,8 @@ async def run_benchmark(
         duration_s = time.perf_counter() - start_s
         await scraper.stop()
     metrics = compute_metrics(results, duration_s, start_s, config.goodput_slos_ms)
+    class_metrics = compute_class_metrics(results, list(config.mix), duration_s, start_s,
+                                          config.goodput_slos_ms)
     return BenchResult(
         config=config,
         model=model,
@@ -119,7 +147,20 @@ async def run_benchmark(
         server_samples=scraper.samples,
         server=summarize_server(scraper.samples, start_s),
         num_warmup_failed=num_warmup_failed,
+        class_metrics=class_metrics,
     )
+
+
+def _schedule(
+    config: BenchConfig, requests: list[BenchRequest]
+) -> tuple[list[BenchRequest], list[float]]:
+    """The requests in the order they are sent, with their send times: the classes of
+    `--mix-arrival CLASS=burst` at 0, the others on the `--request-rate` schedule."""
+    bursts = {name for name, mode in config.mix_arrival.items() if mode == "burst"}
+    arrivals = burst_arrival_times([r.request_class in bursts for r in requests],
+                                   config.request_rate, config.burstiness, config.seed)
+    order = sorted(range(len(requests)), key=arrivals.__getitem__)  # stable: ties keep order
+    return [requests[i] for i in order], [arrivals[i] for i in order]
 
 
 async def _check_and_warm_up(
@@ -168,6 +209,7 @@ async def _send_all(
             async with semaphore:
                 result = await send_request(client, http_request)
         result.num_prompt_tokens_est = request.num_prompt_tokens_est
+        result.request_class = request.request_class
         if on_done is not None:
             on_done(result)
         return result

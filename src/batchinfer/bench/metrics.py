@@ -7,8 +7,9 @@ Per successful request (one that streamed at least one content chunk):
 - ITL: every gap between two successive content chunks (all requests pooled);
 - output tokens: the server's `usage.completion_tokens` (the chunk count if it sent none).
 Goodput is the number of requests meeting every given SLO, per second of the run (a one-token
-request counts as TPOT 0 there, as in vLLM). Percentiles are numpy's (linear), std is the
-population standard deviation; latencies are reported in milliseconds.
+request counts as TPOT 0 there, as in vLLM). With `--mix`, every metric is also computed over
+each class's requests alone. Percentiles are numpy's (linear), std is the population standard
+deviation; latencies are reported in milliseconds.
 """
 
 from __future__ import annotations
@@ -127,6 +128,22 @@ def compute_metrics(
         goodput_slos_ms=slos,
         failed_by_reason=dict(failed),
     )
+
+
+def compute_class_metrics(
+    results: Sequence[RequestResult],
+    classes: Sequence[str],
+    duration_s: float,
+    start_s: float,
+    goodput_slos_ms: dict[str, float] | None = None,
+) -> dict[str, BenchMetrics]:
+    """`compute_metrics` over the requests of each class (of `--mix`), with the run's duration:
+    a class's throughputs are its share of the run's."""
+    return {
+        name: compute_metrics([r for r in results if r.request_class == name], duration_s,
+                              start_s, goodput_slos_ms)
+        for name in classes
+    }
 
 
 def _goodput(

@@ -15,7 +15,7 @@ from rich.table import Table
 from batchinfer.bench.client import RequestResult
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.loadgen import BenchResult
-from batchinfer.bench.metrics import concurrency_at, output_token_timeline
+from batchinfer.bench.metrics import BenchMetrics, concurrency_at, output_token_timeline
 
 LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
 LATENCY_COLUMNS = ("mean_ms", "median_ms", "std_ms", "p90_ms", "p95_ms", "p99_ms")
@@ -26,6 +26,7 @@ SERVER_ROWS = (
     ("batch_size", "sequences per step (real batch)", 1.0, ""),
     ("iteration_tokens", "tokens per step", 1.0, ""),
     ("kv_cache_usage", "KV cache usage", 100.0, "%"),
+    ("preemption_rate", "preemptions per 100 steps", 1.0, ""),
     ("queue_time_s", "queue time", 1000.0, " ms"),
     ("padding_ratio", "padding ratio", 100.0, "%"),
 )
@@ -37,7 +38,8 @@ def default_stem(config: BenchConfig) -> str:
 
 
 def result_to_json(result: BenchResult) -> dict[str, Any]:
-    """All numbers of a run, the full config and the per-request records, JSON-safe."""
+    """All numbers of a run, the full config and the per-request records, JSON-safe.
+    `per_class` maps each `--mix` class to metrics shaped as `metrics` (empty without a mix)."""
     tokens_per_s = output_token_timeline(result.results, result.start_s)
     times = [float(t) for t in range(len(tokens_per_s))]
     return {
@@ -47,6 +49,7 @@ def result_to_json(result: BenchResult) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "num_warmup_failed": result.num_warmup_failed,
         "metrics": asdict(result.metrics),
+        "per_class": {name: asdict(m) for name, m in result.class_metrics.items()},
         "server": asdict(result.server) if result.server is not None else None,
         "client_timeline": {
             "time_s": times,
@@ -61,6 +64,7 @@ def _request_record(r: RequestResult, start_s: float) -> dict[str, Any]:
     record: dict[str, Any] = {
         "start_s": r.start_s - start_s,
         "end_s": r.end_s - start_s,
+        "class": r.request_class,
         "error": r.error,
         "error_detail": r.error_detail,
     }
@@ -81,13 +85,14 @@ def _json_default(value: Any) -> Any:
 
 
 def print_summary(result: BenchResult, console: Console) -> None:
-    """The run in three tables: totals and throughput, latencies, and the server's own view."""
+    """The run in three tables: totals and throughput, latencies, and the server's own view;
+    with `--mix`, then the totals of each class and a latency table per class."""
     m = result.metrics
     summary = Table(title=f"Serving benchmark: {result.model} @ {result.config.base_url}",
                     show_header=False)
     summary.add_column("metric")
     summary.add_column("value", justify="right")
-    failed = ", ".join(f"{k}: {v}" for k, v in sorted(m.failed_by_reason.items()))
+    failed = _failed_reasons(m)
     rows: list[tuple[str, str]] = [
         ("successful requests", f"{m.completed}"),
         ("failed requests", f"{m.failed}" + (f" ({failed})" if failed else "")),
@@ -107,17 +112,43 @@ def print_summary(result: BenchResult, console: Console) -> None:
     for label, value in rows:
         summary.add_row(label, value)
     console.print(summary)
-    console.print(_latency_table(result))
+    console.print(_latency_table(m, "Latency (ms)"))
     console.print(_server_table(result))
+    if result.class_metrics:
+        console.print(_class_table(result))
+        for name, class_m in result.class_metrics.items():
+            console.print(_latency_table(class_m, f"Latency (ms), class {name}"))
 
 
-def _latency_table(result: BenchResult) -> Table:
-    table = Table(title="Latency (ms)")
+def _failed_reasons(m: BenchMetrics) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(m.failed_by_reason.items()))
+
+
+def _class_table(result: BenchResult) -> Table:
+    table = Table(title="Per class (--mix, sent as service_tier; tok/s: output tokens)")
+    columns = ["class", "requests", "ok", "failed", "req/s", "tok/s"]
+    if result.metrics.goodput is not None:
+        columns.append("goodput")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "class" else "right")
+    for name, m in result.class_metrics.items():
+        failed = _failed_reasons(m)
+        row = [name, f"{m.completed + m.failed}", f"{m.completed}",
+               f"{m.failed}" + (f" ({failed})" if failed else ""),
+               f"{m.request_throughput:.2f}", f"{m.output_throughput:.2f}"]
+        if m.goodput is not None:
+            row.append(f"{m.goodput:.2f}")
+        table.add_row(*row)
+    return table
+
+
+def _latency_table(metrics: BenchMetrics, title: str) -> Table:
+    table = Table(title=title)
     table.add_column("metric")
     for column in LATENCY_COLUMNS:
         table.add_column(column.removesuffix("_ms"), justify="right")
     for key, label in LATENCY_METRICS:
-        stats = getattr(result.metrics, key)
+        stats = getattr(metrics, key)
         if stats is None:
             table.add_row(label, *["n/a"] * len(LATENCY_COLUMNS))
         else:
@@ -139,8 +170,10 @@ def _server_table(result: BenchResult) -> Table | str:
         if key in server.mean or key in server.max:
             table.add_row(label, _scaled(server.mean.get(key), scale, unit),
                           _scaled(server.max.get(key), scale, unit))
-    if "preemptions" in server.deltas:
-        table.add_row("preemptions (during run)", f"{server.deltas['preemptions']:g}", "")
+    for key, label in (("preemptions", "preemptions (during run)"),
+                       ("queue_timeouts", "queue timeouts (during run)")):
+        if key in server.deltas:
+            table.add_row(label, f"{server.deltas[key]:g}", "")
     return table
 
 

@@ -23,9 +23,11 @@ GAUGES = {
     "waiting": ("batchinfer_num_requests_waiting", "vllm:num_requests_waiting"),
     "kv_cache_usage": ("batchinfer_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
                        "vllm:gpu_cache_usage_perc"),
+    "preemption_rate": ("batchinfer_preemption_rate",),
 }
 COUNTERS = {
     "preemptions": ("batchinfer_num_preemptions", "vllm:num_preemptions"),
+    "queue_timeouts": ("batchinfer_request_queue_timeouts",),
 }
 HISTOGRAMS = {
     "batch_size": ("batchinfer_batch_size",),

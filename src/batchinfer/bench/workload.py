@@ -43,13 +43,15 @@ WORDS = (
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
     """One prompt to send: `prompt` text (with an optional shared `system_prompt`) or chat
-    `messages` taken verbatim from a file; `max_tokens` is the exact output length asked for."""
+    `messages` taken verbatim from a file; `max_tokens` is the exact output length asked for.
+    `request_class` (of `--mix`) is sent as the request's `service_tier`."""
 
     max_tokens: int
     num_prompt_tokens_est: int
     prompt: str | None = None
     system_prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
+    request_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,31 @@ class LengthSpec:
             return [max(1, int(x)) for x in draws]
         probs = np.asarray(self.weights) / sum(self.weights)
         return [int(x) for x in rng.choice(np.asarray(self.values), size=size, p=probs)]
+
+
+@dataclass(frozen=True, slots=True)
+class ClassLengths:
+    """Lengths drawn per request from its class's spec: request i is of class `classes[i]`,
+    whose spec is `overrides[class]`, else `default`."""
+
+    classes: tuple[str, ...]
+    default: LengthSpec
+    overrides: dict[str, LengthSpec]
+
+    def sample(self, rng: np.random.Generator, size: int) -> list[int]:
+        """One length per request of `classes` (`size` must be their number)."""
+        if size != len(self.classes):
+            raise ValueError(f"{size} lengths asked of a mix of {len(self.classes)} requests")
+        lengths = [0] * size
+        for name in dict.fromkeys(self.classes):  # in order of first appearance
+            where = [i for i, c in enumerate(self.classes) if c == name]
+            spec = self.overrides.get(name, self.default)
+            for i, length in zip(where, spec.sample(rng, len(where)), strict=True):
+                lengths[i] = length
+        return lengths
+
+
+Lengths = LengthSpec | ClassLengths
 
 
 def parse_length_spec(text: str, flag: str) -> LengthSpec:
@@ -153,8 +180,8 @@ def random_text(rng: np.random.Generator, num_tokens: int, tokens_per_word: floa
 
 def synthetic_workload(
     num_requests: int,
-    input_len: LengthSpec,
-    output_len: LengthSpec,
+    input_len: Lengths,
+    output_len: Lengths,
     seed: int,
     tokens_per_word: float = 1.0,
 ) -> list[BenchRequest]:
@@ -172,8 +199,8 @@ def shared_prefix_workload(
     num_requests: int,
     prefix_len: int,
     num_prefixes: int,
-    input_len: LengthSpec,
-    output_len: LengthSpec,
+    input_len: Lengths,
+    output_len: Lengths,
     seed: int,
     tokens_per_word: float = 1.0,
 ) -> list[BenchRequest]:

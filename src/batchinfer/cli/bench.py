@@ -15,6 +15,7 @@ from typing import Any
 from batchinfer.bench.arrival import parse_rate
 from batchinfer.bench.config import DATASETS, ENDPOINTS, BenchConfig
 from batchinfer.bench.metrics import parse_goodput
+from batchinfer.bench.mix import parse_class_options, parse_mix
 
 
 def register(subparsers: Any) -> None:
@@ -70,6 +71,18 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", default=d.input_len,
                         help="tokens: N, LOW:HIGH (uniform), normal:MEAN,STD or hist:FILE")
     parser.add_argument("--output-len", default=d.output_len, help="same forms as --input-len")
+    parser.add_argument("--mix", default=None, metavar="CLASS:WEIGHT,...",
+                        help="priority classes, e.g. interactive:0.8,batch:0.2: each request "
+                        "gets a class drawn with these weights (normalised) and sends it as "
+                        "service_tier")
+    parser.add_argument("--class-input-len", action="append", default=[],
+                        metavar="CLASS=LEN", help="a --mix class's own --input-len, e.g. "
+                        "batch=1000:2000 (repeatable)")
+    parser.add_argument("--class-output-len", action="append", default=[],
+                        metavar="CLASS=LEN", help="a --mix class's own --output-len (repeatable)")
+    parser.add_argument("--mix-arrival", action="append", default=[], metavar="CLASS=MODE",
+                        help="burst: that class's requests all arrive at time 0; rate "
+                        "(default): on the --request-rate schedule (repeatable)")
     parser.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len)
     parser.add_argument("--num-prefixes", type=int, default=d.num_prefixes)
     parser.add_argument("--burstiness", type=float, default=d.burstiness,
@@ -101,6 +114,9 @@ def _bench_config(args: argparse.Namespace, **overrides: Any) -> BenchConfig:
             "result_dir", "plots", "show_progress")
     }
     fields["goodput_slos_ms"] = parse_goodput(args.goodput)
+    fields["mix"] = parse_mix(args.mix) if args.mix is not None else {}
+    for name in ("class_input_len", "class_output_len", "mix_arrival"):
+        fields[name] = parse_class_options(getattr(args, name), "--" + name.replace("_", "-"))
     fields.update(overrides)
     return BenchConfig(**fields)
 
