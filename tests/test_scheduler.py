@@ -120,8 +120,8 @@ def test_victim_is_latest_arrival():
     assert sched.block_manager.num_free_blocks == 0
     out = sched.schedule()  # r0 needs a third block at position 8: the latest (r2) is preempted
     assert [s.request_id for s in out.sequences] == ["r0", "r1"]
-    assert sched.waiting[0].request_id == "r2"
-    assert sched.waiting[0].status == RequestStatus.PREEMPTED
+    assert sched.waiting.first().request_id == "r2"
+    assert sched.waiting.first().status == RequestStatus.PREEMPTED
     assert "r2" in sched.schedule().finished_request_ids  # the runner hears of it next step
     sched.block_manager.check_invariants()
 

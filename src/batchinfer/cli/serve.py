@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -90,6 +91,8 @@ def register(subparsers: Any) -> None:
                         f"(default: {encoder.max_queue_size})")
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
+    server.add_argument("--print-config", action="store_true",
+                        help="print the resolved engine knobs (preset + flags) as JSON and exit")
     add_engine_flags(parser)
     parser.set_defaults(func=run)
 
@@ -117,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         engine_config = EngineConfig.from_kwargs(**engine_kwargs)
     elif not args.embedding_model:
         raise ValueError("--model none serves nothing; add --embedding-model NAME")
+    if args.print_config:
+        resolved = engine_config.resolved() if engine_config is not None else {}
+        print(json.dumps(resolved, indent=2))
+        return 0
 
     from batchinfer.server.app import build_app
     from batchinfer.server.connections import guarded_protocol

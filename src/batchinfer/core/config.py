@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchinfer.core.validation import (
@@ -17,7 +17,28 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 GiB = 1 << 30
+
+# `--preset NAME` sets these knobs at once; a knob given explicitly wins over its preset.
+# interactive: the users' article's latency-first rule (soft watermark ~60 %, KV use capped at
+#   80 %, small steps so a prompt's first token is not stuck behind long prefill chunks).
+# offline: throughput first: fcfs, a high watermark, and steps and batches as large as the KV
+#   cache allows (`max_num_seqs` / `max_num_batched_tokens` are clamped to the cache at start-up).
+PRESETS: dict[str, dict[str, Any]] = {
+    "interactive": {
+        "scheduling_policy": "priority",
+        "kv_soft_watermark": 0.6,
+        "kv_admission_watermark": 0.8,
+        "max_num_batched_tokens": 256,
+    },
+    "offline": {
+        "scheduling_policy": "fcfs",
+        "kv_admission_watermark": 0.95,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+    },
+}
 
 
 def _help(text: str) -> dict[str, str]:
@@ -68,6 +89,33 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata=_help(
         "paged attention: auto (cpu_sparse on CPU with a float32 cache, else gather), sdpa "
         "(the portable reference), gather, cpu_sparse"))
+    preset: str | None = field(default=None, metadata=_help(
+        "interactive or offline: sets a group of scheduling knobs at once (docs/scheduling.md);"
+        " explicit flags win"))
+    scheduling_policy: str = field(default="fcfs", metadata=_help(
+        "fcfs (arrival order) or priority (lower `priority` first, with aging; victims of "
+        "preemption by priority, then size)"))
+    priority_aging_ms: float = field(default=1000.0, metadata=_help(
+        "priority policy: a waiting request gains one priority level per this much waiting "
+        "(0: no aging)"))
+    max_queue_time_ms: float | None = field(default=None, metadata=_help(
+        "a request waiting longer than this in all (first wait + waits after preemption) "
+        "leaves the queue with a queue_timeout error (HTTP 503); default: no limit"))
+    kv_soft_watermark: float | None = field(default=None, metadata=_help(
+        "above this KV cache usage only interactive or short requests are admitted; "
+        "default: off"))
+    short_request_tokens: int = field(default=512, metadata=_help(
+        "a request whose prompt + max_tokens fit this many tokens counts as short (soft "
+        "watermark)"))
+    elastic_max_tokens: bool = field(default=False, metadata=_help(
+        "under pressure (KV usage above the soft watermark and requests waiting), lower the "
+        "output cap of batch-class requests that did not set max_tokens"))
+    elastic_min_tokens: int = field(default=64, metadata=_help(
+        "the lowered output cap of elastic_max_tokens (never below what a request has already "
+        "produced + 1)"))
+    max_blocks_per_request: int | None = field(default=None, metadata=_help(
+        "most KV blocks one sequence may hold; a request needing more is refused at admission;"
+        " default: no cap beyond max_model_len"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -75,6 +123,9 @@ class EngineConfig:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("batching", self.batching, BATCHING_FORMS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.preset is not None:
+            check_choice("preset", self.preset, tuple(PRESETS))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string")
         if self.max_model_len is not None:
@@ -95,6 +146,21 @@ class EngineConfig:
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         check_fraction("kv_admission_watermark", self.kv_admission_watermark)
         check_non_negative("max_batch_delay_ms", self.max_batch_delay_ms)
+        check_non_negative("priority_aging_ms", self.priority_aging_ms)
+        if self.max_queue_time_ms is not None:
+            check_non_negative("max_queue_time_ms", self.max_queue_time_ms)
+        if self.kv_soft_watermark is not None:
+            check_fraction("kv_soft_watermark", self.kv_soft_watermark)
+        check_int("short_request_tokens", self.short_request_tokens)
+        check_int("elastic_min_tokens", self.elastic_min_tokens)
+        if not isinstance(self.elastic_max_tokens, bool):
+            raise ValueError("elastic_max_tokens must be true or false, "
+                             f"got {self.elastic_max_tokens!r}")
+        if self.elastic_max_tokens and self.kv_soft_watermark is None:
+            raise ValueError("elastic_max_tokens needs kv_soft_watermark (the pressure level "
+                             "it acts above)")
+        if self.max_blocks_per_request is not None:
+            check_int("max_blocks_per_request", self.max_blocks_per_request)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -105,7 +171,27 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
         if isinstance(kwargs.get("kv_cache_memory"), str):
             kwargs["kv_cache_memory"] = parse_bytes("kv_cache_memory", kwargs["kv_cache_memory"])
+        preset = kwargs.get("preset")
+        if preset is not None:
+            check_choice("preset", preset, tuple(PRESETS))
+            kwargs = {**PRESETS[preset], **kwargs}
         return cls(**kwargs)
+
+    def fitted_to_cache(self, num_blocks: int) -> EngineConfig:
+        """The offline preset's "as large as the cache allows": `max_num_seqs` at most one per
+        KV block and the step's token budget at most the whole cache. Other configs as is."""
+        if self.preset != "offline":
+            return self
+        return replace(
+            self,
+            max_num_seqs=max(1, min(self.max_num_seqs, num_blocks)),
+            max_num_batched_tokens=max(1, min(self.max_num_batched_tokens,
+                                              num_blocks * self.block_size)),
+        )
+
+    def resolved(self) -> dict[str, Any]:
+        """Every knob with its value, as `--print-config` shows it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def parse_bytes(name: str, text: str) -> int:

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from batchinfer.core.request import FinishReason
 from batchinfer.core.sampling_params import SamplingParams
 
+# `EngineCoreOutput.error_code`: why the engine ended a request without an answer.
+ENGINE_ERROR = "engine_error"  # the runner failed on it (alone too)
+QUEUE_TIMEOUT = "queue_timeout"  # it waited longer than its queue time limit
+
 
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -95,8 +99,10 @@ class EngineCoreOutput:
     """What one step changed for one sequence (scheduler id), as plain values.
 
     `new_token_ids` / `new_logprobs` are this step's tokens only. `finish_reason` is set once,
-    on the sequence's last output; `error` says why the engine failed it (finish reason ABORT).
-    The timestamps are the engine clock's (seconds), copied from the sequence's metrics.
+    on the sequence's last output; `error` says why the engine failed it (finish reason ABORT)
+    and `error_code` what kind of failure that is (`ENGINE_ERROR`, `QUEUE_TIMEOUT`).
+    `elastic_cap` is the output cap that ended it when that was an elastic cap (finish reason
+    LENGTH). The timestamps are the engine clock's (seconds), copied from the sequence's metrics.
     """
 
     request_id: str
@@ -105,6 +111,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: str | None = None
+    elastic_cap: int | None = None
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
@@ -127,3 +135,8 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     num_preemptions_total: int
+    # Cumulative preemptions by reason: "kv_full" (a running request needed a block) and
+    # "priority" (room for a waiting request of higher priority).
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    # Preemptions per 100 steps over the last `PREEMPTION_WINDOW_STEPS` steps that ran.
+    preemption_rate: float = 0.0

@@ -10,6 +10,22 @@ prefill = its next chunk), then admits waiting requests, within the step's token
   oldest has waited `max_batch_delay_ms`;
 - `static`: a whole batch, only when nothing runs, once `max_batch_size` requests wait (a partial
   batch only after `close_input()`: no more requests are coming).
+
+Under pressure (docs/scheduling.md has the rules and their bounds):
+- **policy**: `fcfs` admits in arrival order; `priority` by effective priority (with aging, see
+  `core.policy`), lets a waiting request of higher priority take the step's budget before the
+  prefill chunks of running requests of lower priority, and preempts a running request of lower
+  priority when a waiting one of higher priority finds no seat or block.
+- **queue deadlines**: a request that has waited (in all) longer than its limit leaves the queue
+  with `error_code = QUEUE_TIMEOUT`; it is never started and cut.
+- **soft watermark**: above `kv_soft_watermark` (counting the blocks running prefills still need)
+  only interactive, short or aged-to-interactive requests are admitted; the rest wait.
+- **victims** (a running request needs a block and none is free): fcfs takes the latest admitted;
+  priority takes the lowest priority, then the most blocks held, the most work left, the latest
+  arrival.
+- **elastic max_tokens**: above the soft watermark with requests waiting, batch-class requests
+  that did not choose `max_tokens` get `elastic_min_tokens` (never below what they have + 1).
+- **per-request KV cap**: `max_blocks_per_request`; a request needing more is refused when added.
 """
 
 from __future__ import annotations
@@ -21,6 +37,7 @@ from collections.abc import Callable
 from batchinfer.core.block_manager import BlockManager, cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import (
+    QUEUE_TIMEOUT,
     EngineCoreOutput,
     ModelRunnerOutput,
     ScheduledSequence,
@@ -28,7 +45,17 @@ from batchinfer.core.outputs import (
     SchedulerStats,
     TokenLogprobs,
 )
-from batchinfer.core.request import Request, RequestStatus
+from batchinfer.core.policy import (
+    FCFSQueue,
+    PriorityQueue,
+    WaitingQueue,
+    effective_priority,
+)
+from batchinfer.core.request import INTERACTIVE_PRIORITY, Request, RequestStatus
+
+# The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
+PREEMPTION_WINDOW_STEPS = 200
+PREEMPTION_REASONS = ("kv_full", "priority")
 
 
 class Scheduler:
@@ -45,13 +72,28 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.waiting: deque[Request] = deque()
-        # Admission order; preemption victims are taken from the end (latest arrival).
+        self.by_priority = config.scheduling_policy == "priority"
+        self.aging_s = config.priority_aging_ms / 1000.0
+        self.waiting: WaitingQueue = (
+            PriorityQueue(self.aging_s) if self.by_priority else FCFSQueue()
+        )
+        # fcfs: admission order (victims are taken from the end: the latest admitted).
+        # priority: re-sorted each step by `_victim_key`, so victims are again at the end.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.input_closed = False
+        # Tokens one sequence may hold: the context, capped by `max_blocks_per_request`.
+        self.token_limit = max_model_len
+        if config.max_blocks_per_request is not None:
+            self.token_limit = min(max_model_len,
+                                   config.max_blocks_per_request * config.block_size)
         self.num_preemptions_total = 0
+        self.preemptions_by_reason = dict.fromkeys(PREEMPTION_REASONS, 0)
+        self._recent_preemptions: deque[int] = deque(maxlen=PREEMPTION_WINDOW_STEPS)
+        self._step_preemptions = 0
         self._left_ids: list[str] = []
+        # Outputs of requests the scheduler itself ended (queue timeouts), for the next step's.
+        self._ended: list[EngineCoreOutput] = []
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -65,6 +107,7 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
                 f"{self.max_model_len}, which leaves no room to generate"
             )
+        self._check_block_cap(request)
         blocks = cdiv(request.num_prompt_tokens + 1, self.block_manager.block_size)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
@@ -72,8 +115,24 @@ class Scheduler:
                 f"{self.block_manager.num_blocks}; raise kv_cache_memory"
             )
         request.status = RequestStatus.WAITING
+        request.wait_start_s = self.clock()
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+
+    def _check_block_cap(self, request: Request) -> None:
+        cap = self.config.max_blocks_per_request
+        if cap is None:
+            return
+        max_tokens = request.sampling_params.max_tokens
+        need = request.num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
+        if need > cap * self.config.block_size:
+            what = f"prompt ({request.num_prompt_tokens} tokens)"
+            if max_tokens is not None:
+                what += f" + max_tokens ({max_tokens})"
+            raise ValueError(
+                f"{what} need {cdiv(need, self.config.block_size)} KV blocks of "
+                f"{self.config.block_size} tokens; max_blocks_per_request is {cap}"
+            )
 
     def finish_request(
         self,
@@ -81,6 +140,7 @@ class Scheduler:
         status: RequestStatus,
         stop_reason: int | str | None = None,
         error: str | None = None,
+        error_code: str | None = None,
     ) -> EngineCoreOutput | None:
         """End a request (abort, stop string, failure) wherever it is; returns its last output
         (no new tokens), or None if it is unknown or already finished."""
@@ -95,7 +155,13 @@ class Scheduler:
             self.waiting.remove(request)
         request.stop_reason = stop_reason if stop_reason is not None else request.stop_reason
         self._finish(request, status)
-        return self._output(request, [], [], error)
+        return self._output(request, [], [], error, error_code)
+
+    def take_ended(self) -> list[EngineCoreOutput]:
+        """Outputs of the requests the scheduler ended itself (queue timeouts) since the last
+        call."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def close_input(self) -> None:
         """No more requests will come: the static form may run a partial last batch."""
@@ -113,25 +179,42 @@ class Scheduler:
         return len(self.waiting)
 
     def next_dispatch_s(self) -> float | None:
-        """When a waiting batch becomes due (dynamic form), for a caller with nothing to run."""
-        if self.config.batching != "dynamic" or self.running or not self.waiting:
-            return None
-        return self.waiting[0].arrival_s + self.config.max_batch_delay_ms / 1000.0
+        """When something changes for a caller with nothing to run: a waiting batch becomes
+        due (dynamic form) or a waiting request's queue time runs out."""
+        times = [self._deadline_s(r) for r in self.waiting]
+        if self.config.batching == "dynamic" and not self.running and self.waiting:
+            times.append(self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000)
+        due = [t for t in times if t is not None]
+        return min(due) if due else None
 
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and tokens; allocates their KV blocks."""
         output = SchedulerOutput(finished_request_ids=self._left_ids)
         self._left_ids = []
-        self._admit_batch()
+        self._step_preemptions = 0
+        now = self.clock()
+        self._expire_waiting(now)
+        self._apply_elastic_caps()
+        self._admit_batch(now)
         budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(output, budget)
-        if not preempted and self.config.batching == "continuous":
-            self._schedule_waiting(output, budget)
+        continuous = self.config.batching == "continuous"
+        deferred: list[Request] = []
+        defer_above = None
+        if self.by_priority:
+            self.running.sort(key=self._victim_key)
+            if continuous and self.waiting:
+                defer_above = self._rank(self.waiting.first(), now)
+        budget, preempted = self._schedule_running(output, budget, defer_above, deferred)
+        if not preempted and continuous:
+            budget = self._schedule_waiting(output, budget, now)
+        self._schedule_deferred(output, budget, deferred)
         if output.is_empty and output.finished_request_ids:
             # No step runs: keep the ids for the next one, so the runner still hears of them.
             self._left_ids = output.finished_request_ids + self._left_ids
             output.finished_request_ids = []
+        if not output.is_empty:
+            self._recent_preemptions.append(self._step_preemptions)
         return output
 
     def update_from_output(
@@ -173,6 +256,7 @@ class Scheduler:
 
     def stats(self, scheduler_output: SchedulerOutput | None = None) -> SchedulerStats:
         """The state after the step that ran `scheduler_output` (None: no step ran)."""
+        recent = self._recent_preemptions
         return SchedulerStats(
             time_s=self.clock(),
             num_scheduled_tokens=scheduler_output.num_scheduled_tokens if scheduler_output else 0,
@@ -181,6 +265,8 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.block_manager.usage,
             num_preemptions_total=self.num_preemptions_total,
+            preemptions_by_reason=dict(self.preemptions_by_reason),
+            preemption_rate=100.0 * sum(recent) / len(recent) if recent else 0.0,
         )
 
     @staticmethod
@@ -189,6 +275,7 @@ class Scheduler:
         new_token_ids: list[int],
         new_logprobs: list[TokenLogprobs],
         error: str | None = None,
+        error_code: str | None = None,
     ) -> EngineCoreOutput:
         metrics = request.metrics
         return EngineCoreOutput(
@@ -198,6 +285,8 @@ class Scheduler:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             error=error,
+            error_code=error_code,
+            elastic_cap=request.max_tokens_cap if request.elastic_truncated else None,
             num_preemptions=metrics.num_preemptions,
             first_scheduled_s=metrics.first_scheduled_s,
             first_token_s=metrics.first_token_s,
@@ -205,17 +294,100 @@ class Scheduler:
             finished_s=metrics.finished_s,
         )
 
+    # ----------------------------------------------------------------- pressure rules
+    def _rank(self, request: Request, now: float) -> float:
+        """What priority decisions compare: the effective priority (fcfs: all equal)."""
+        if not self.by_priority:
+            return 0.0
+        return effective_priority(request, now, self.aging_s)
+
+    def _victim_key(self, request: Request) -> tuple[float, int, int, float]:
+        """Larger = preempted sooner: lowest priority (as admitted), then most blocks held,
+        most work left, latest arrival."""
+        held = len(self.block_manager.block_table(request.request_id))
+        return (request.admitted_rank, held, self._work_left(request), request.arrival_s)
+
+    def _output_limit(self, request: Request) -> int:
+        """The most output tokens the request may produce (max_tokens, context, KV cap)."""
+        limit = self.token_limit - request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        if request.max_tokens_cap is not None:
+            limit = min(limit, request.max_tokens_cap)
+        return limit
+
+    def _work_left(self, request: Request) -> int:
+        return self._output_limit(request) - request.num_output_tokens
+
+    def _deadline_s(self, request: Request) -> float | None:
+        """When a waiting request's queue time runs out (None: no limit)."""
+        limit_s = request.queue_timeout_s
+        if limit_s is None and self.config.max_queue_time_ms is not None:
+            limit_s = self.config.max_queue_time_ms / 1000.0
+        if limit_s is None:
+            return None
+        return request.wait_start_s + (limit_s - request.waited_s)
+
+    def _expire_waiting(self, now: float) -> None:
+        """Requests whose queue time ran out leave with a queue_timeout error."""
+        expired = [r for r in self.waiting if (d := self._deadline_s(r)) is not None and now >= d]
+        for request in expired:
+            self.waiting.remove(request)
+            request.waited_s = waited = request.queue_time_s(now)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._ended.append(self._output(
+                request, [], [],
+                f"the request waited {waited:.3f} s in the queue, longer than its limit; "
+                "the server is overloaded, retry later",
+                QUEUE_TIMEOUT,
+            ))
+
+    def _pressure(self) -> bool:
+        soft = self.config.kv_soft_watermark
+        return soft is not None and bool(self.waiting) and self.block_manager.usage > soft
+
+    def _apply_elastic_caps(self) -> None:
+        """Under pressure, cap batch-class requests that did not choose max_tokens."""
+        if not self.config.elastic_max_tokens or not self._pressure():
+            return
+        for request in self.running:
+            if (not request.elastic or request.priority_class != "batch"
+                    or request.max_tokens_cap is not None):
+                continue
+            cap = max(self.config.elastic_min_tokens, request.num_output_tokens + 1,
+                      request.sampling_params.min_tokens)
+            if cap < self._output_limit(request):
+                request.max_tokens_cap = cap
+
+    def _soft_exempt(self, request: Request, now: float) -> bool:
+        """Admitted above the soft watermark: interactive, short, or aged to interactive."""
+        if request.priority_class == "interactive":
+            return True
+        if request.num_prompt_tokens + self._work_left(request) <= \
+                self.config.short_request_tokens:
+            return True
+        return self.by_priority and self._rank(request, now) <= INTERACTIVE_PRIORITY
+
+    def _committed_blocks(self) -> int:
+        """Blocks in use plus those running requests need for the tokens they already have
+        (prefills under way): what the soft watermark compares against."""
+        bm = self.block_manager
+        pending = sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in self.running)
+        return bm.num_used_blocks + pending
+
     # ----------------------------------------------------------------- admission
-    def _admit_batch(self) -> None:
+    def _admit_batch(self, now: float) -> None:
         """dynamic / static: move a whole batch to running when nothing runs and it is due."""
         if self.config.batching == "continuous" or self.running or not self.waiting:
             return
         size = min(self.config.max_batch_size, self.config.max_num_seqs)
         if not self._batch_due(size):
             return
-        now = self.clock()
         for _ in range(min(size, len(self.waiting))):
-            self._start(self.waiting.popleft(), now)
+            request = self.waiting.first()
+            self.waiting.remove(request)
+            self._start(request, now)
 
     def _batch_due(self, size: int) -> bool:
         if len(self.waiting) >= size or self.input_closed:
@@ -223,58 +395,125 @@ class Scheduler:
         if any(r.status == RequestStatus.PREEMPTED for r in self.waiting):
             return True  # a preempted batch member resumes as soon as the machine is free
         if self.config.batching == "dynamic":
-            due = self.next_dispatch_s()
-            return due is not None and self.clock() >= due
+            due = self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000.0
+            return self.clock() >= due
         return False
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        """continuous: admit waiting requests in order while budget, seats and blocks allow."""
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> int:
+        """continuous: admit waiting requests in policy order while budget, seats and blocks
+        allow. Above the soft watermark, requests it does not exempt are passed over (they
+        wait; the ones behind may go) unless nothing runs. Returns the budget left."""
         bm = self.block_manager
-        limit_blocks = self.config.kv_admission_watermark * bm.num_blocks
-        now = self.clock()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = bm.num_blocks_needed(request.request_id, num_new)
-            # Above the watermark, admit only into an empty machine (the hard limit is all
-            # blocks), so running requests keep room to grow and preemption stays rare.
-            if self.running and bm.num_used_blocks + needed > limit_blocks:
+        soft = self.config.kv_soft_watermark
+        committed = self._committed_blocks() if soft is not None else 0
+        for request in list(self.waiting):
+            if budget <= 0:
                 break
+            whole = bm.num_blocks_needed(request.request_id, request.num_tokens)
+            if (soft is not None and self.running and committed + whole > soft * bm.num_blocks
+                    and not self._soft_exempt(request, now)):
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = bm.num_blocks_needed(request.request_id,
+                                          request.num_computed_tokens + num_new)
+            while not self._admissible(needed):
+                refund = self._preempt_for(request, needed, now, output)
+                if refund is None:
+                    return budget  # in order: nothing behind it jumps a request that waits
+                budget += refund
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                needed = bm.num_blocks_needed(request.request_id,
+                                              request.num_computed_tokens + num_new)
             table = bm.allocate(request.request_id, request.num_computed_tokens + num_new)
             if table is None:
-                break
-            self.waiting.popleft()
+                return budget
+            self.waiting.remove(request)
             self._start(request, now)
             output.sequences.append(self._sequence(request, num_new, table))
             budget -= num_new
+            committed += whole
+        return budget
+
+    def _admissible(self, needed: int) -> bool:
+        """A seat, the free blocks, and (unless the machine is empty) the admission
+        watermark: running requests keep room to grow, so kv-full preemption stays rare."""
+        bm = self.block_manager
+        if len(self.running) >= self.config.max_num_seqs or needed > bm.num_free_blocks:
+            return False
+        limit = self.config.kv_admission_watermark * bm.num_blocks
+        return not self.running or bm.num_used_blocks + needed <= limit
+
+    def _preempt_for(
+        self, request: Request, needed: int, now: float, output: SchedulerOutput
+    ) -> int | None:
+        """priority: preempt one running request of lower priority than the waiting `request`
+        (a higher base priority, and admitted with a higher effective one: a request that got
+        in by aging keeps its place), if preempting all of them would make room. Returns the
+        budget it gives back (its tokens scheduled in this step), or None when nothing is
+        preempted. Requests of one priority never preempt each other: no thrashing."""
+        if not self.by_priority:
+            return None
+        rank = self._rank(request, now)
+        lower = [r for r in self.running
+                 if r.priority > request.priority and r.admitted_rank > rank]
+        if not lower:
+            return None
+        bm = self.block_manager
+        freed = sum(len(bm.block_table(r.request_id)) for r in lower)
+        used_after = bm.num_used_blocks - freed
+        if needed > bm.num_free_blocks + freed or (
+            len(lower) < len(self.running)
+            and used_after + needed > self.config.kv_admission_watermark * bm.num_blocks
+        ):
+            return None  # it would not fit even then: preempt nobody for nothing
+        victim = max(lower, key=self._victim_key)
+        refund = 0
+        for i, seq in enumerate(output.sequences):
+            if seq.request_id == victim.request_id:
+                refund = seq.num_tokens
+                del output.sequences[i]
+                break
+        self.running.remove(victim)
+        self._preempt(victim, "priority")
+        return refund
 
     def _start(self, request: Request, now: float) -> None:
         request.status = RequestStatus.RUNNING
+        request.waited_s += now - request.wait_start_s
+        request.admitted_rank = self._rank(request, now)
         if request.metrics.first_scheduled_s is None:
             request.metrics.first_scheduled_s = now
         self.running.append(request)
 
     # ----------------------------------------------------------------- running + preemption
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Give each running request its next tokens; preempt from the end when blocks run out.
-        Returns the budget left and whether anything was preempted."""
+    def _schedule_running(
+        self,
+        output: SchedulerOutput,
+        budget: int,
+        defer_above: float | None,
+        deferred: list[Request],
+    ) -> tuple[int, bool]:
+        """Give each running request its next tokens; preempt from the end when blocks run
+        out. A prefill chunk of a request ranked below `defer_above` (the best waiting
+        request) is deferred until waiting requests are admitted. Returns the budget left and
+        whether anything was preempted."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            table = self.block_manager.allocate(
-                request.request_id, request.num_computed_tokens + num_new
-            )
+            remaining = request.num_tokens - request.num_computed_tokens
+            if defer_above is not None and remaining > 1 and request.admitted_rank > defer_above:
+                deferred.append(request)
+                i += 1
+                continue
+            num_new, table = self._grow(request, budget)
             while table is None:
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, "kv_full")
                 preempted = True
                 if victim is request:
                     break
-                table = self.block_manager.allocate(
-                    request.request_id, request.num_computed_tokens + num_new
-                )
+                num_new, table = self._grow(request, budget)
             if table is None:
                 break
             output.sequences.append(self._sequence(request, num_new, table))
@@ -282,16 +521,41 @@ class Scheduler:
             i += 1
         return budget, preempted
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute: drop the request's KV and requeue it at the front; its output so far is
-        kept and re-prefilled with the prompt, so the text it produces does not change."""
+    def _schedule_deferred(
+        self, output: SchedulerOutput, budget: int, deferred: list[Request]
+    ) -> None:
+        """The deferred prefill chunks, with what budget is left; never preempts for them."""
+        for request in deferred:
+            if budget <= 0:
+                return
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted meanwhile
+            num_new, table = self._grow(request, budget)
+            if table is None:
+                continue
+            output.sequences.append(self._sequence(request, num_new, table))
+            budget -= num_new
+
+    def _grow(self, request: Request, budget: int) -> tuple[int, list[int] | None]:
+        """The request's next chunk within `budget`, and its block table grown to hold it
+        (None, nothing changed, when the blocks are not free)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        return num_new, self.block_manager.allocate(request.request_id,
+                                                    request.num_computed_tokens + num_new)
+
+    def _preempt(self, request: Request, reason: str) -> None:
+        """Recompute: drop the request's KV and requeue it (fcfs: at the front); its output so
+        far is kept and re-prefilled with the prompt, so the text it produces does not change."""
         self.block_manager.free(request.request_id)
         self._left_ids.append(request.request_id)
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
+        request.wait_start_s = self.clock()
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.preemptions_by_reason[reason] += 1
+        self._step_preemptions += 1
+        self.waiting.requeue(request)
 
     def _sequence(self, request: Request, num_new: int, table: list[int]) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -331,7 +595,10 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if request.num_tokens >= self.token_limit:
+            return RequestStatus.FINISHED_LENGTH
+        if request.max_tokens_cap is not None and num_output >= request.max_tokens_cap:
+            request.elastic_truncated = True
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchinfer.core.config import EngineConfig
-from batchinfer.core.outputs import EngineCoreOutput, SchedulerStats
-from batchinfer.core.request import Request, RequestStatus
+from batchinfer.core.outputs import QUEUE_TIMEOUT, EngineCoreOutput, SchedulerStats
+from batchinfer.core.request import Request, RequestStatus, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.inputs import Prompt
 from batchinfer.engine.llm_engine import LLMEngine
@@ -46,6 +46,15 @@ class RequestFailedError(RuntimeError):
 
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(f"request {request_id} failed in the engine: {message}")
+        self.request_id = request_id
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request waited in the queue longer than its limit (`max_queue_time_ms` or its own
+    `timeout`) and left it unanswered (the server answers 503 `queue_timeout`)."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
         self.request_id = request_id
 
 
@@ -158,11 +167,12 @@ class AsyncLLM:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        scheduling: SchedulingOptions | None = None,
     ) -> EngineRequest:
         """Tokenize and validate a request on a worker thread (not queued yet); `ValueError`
         names what is wrong."""
         return await asyncio.to_thread(
-            self.engine.processor.process, prompt, params, request_id
+            self.engine.processor.process, prompt, params, request_id, None, scheduling
         )
 
     def add_processed(
@@ -202,13 +212,16 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         kind: RequestOutputKind = RequestOutputKind.DELTA,
+        scheduling: SchedulingOptions | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs until it finishes. `prompt` may be a request `process`
         built already. Raises `ValueError` (bad input or a prompt that can never fit),
-        `QueueFullError`, `RequestFailedError`, `EngineDeadError`."""
+        `QueueFullError`, `QueueTimeoutError`, `RequestFailedError`, `EngineDeadError`."""
         request = prompt
         if not isinstance(request, EngineRequest):
-            request = await self.process(prompt, params, request_id)  # type: ignore[arg-type]
+            request = await self.process(
+                prompt, params, request_id, scheduling  # type: ignore[arg-type]
+            )
         (stream,) = self.add_processed([request], kind)
         async for output in self._follow(request.request_id, stream):
             yield output
@@ -264,10 +277,13 @@ class AsyncLLM:
             self._commands.put(_Finish([child_id], RequestStatus.FINISHED_STOPPED, stop_string))
         if processed.to_abort:
             self._commands.put(_Finish(processed.to_abort, RequestStatus.FINISHED_ABORTED))
-        for request_id, message in processed.failed.items():
+        for request_id, (message, code) in processed.failed.items():
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.fail(RequestFailedError(request_id, message))
+                error: Exception = RequestFailedError(request_id, message)
+                if code == QUEUE_TIMEOUT:
+                    error = QueueTimeoutError(request_id, message)
+                stream.fail(error)
         self._deliver(processed.outputs)
         for stat_logger in self.stat_loggers:
             stat_logger.record_step(result.stats)

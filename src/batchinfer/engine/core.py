@@ -21,6 +21,7 @@ from typing import Protocol
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import (
+    ENGINE_ERROR,
     EngineCoreOutput,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -107,7 +108,8 @@ class EngineCore:
         return self.config.max_num_seqs
 
     def next_dispatch_s(self) -> float | None:
-        """When a waiting batch becomes due (dynamic form), for a caller with nothing to run."""
+        """When something changes for a caller with nothing to run (a dynamic batch becomes
+        due, a queue time limit runs out)."""
         return self.scheduler.next_dispatch_s()
 
     def stats(self) -> SchedulerStats:
@@ -119,13 +121,14 @@ class EngineCore:
         """Run one iteration; returns an output per sequence that gained a token or failed."""
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
+        ended = self.scheduler.take_ended()  # queue timeouts found while scheduling
         if scheduler_output.is_empty:
-            return []
+            return ended
         runner_output, failed = self._execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = ended + self.scheduler.update_from_output(scheduler_output, runner_output)
         for request_id, message in failed.items():
             output = self.scheduler.finish_request(
-                request_id, RequestStatus.FINISHED_ABORTED, error=message
+                request_id, RequestStatus.FINISHED_ABORTED, error=message, error_code=ENGINE_ERROR
             )
             if output is not None:
                 outputs.append(output)

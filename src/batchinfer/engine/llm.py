@@ -8,6 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from batchinfer.core.config import EngineConfig
+from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.inputs import Chat, Prompt, is_chat, is_token_ids
 from batchinfer.engine.llm_engine import LLMEngine
@@ -35,18 +36,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list: strings, token-id lists or chat message lists.
 
         Results come in input order. A request the engine failed (the runner raised on it,
         alone) comes back finished with reason "abort" and `error` set; the others are exact.
+        `priority` (one per prompt, lower first) is read by `scheduling_policy="priority"`.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} "
+                             "prompts; give one per prompt")
         engine = self.engine
         # Process everything first so a bad prompt raises before anything is queued.
         requests = [
-            _process(engine, prompt, params, i)
+            _process(engine, prompt, params, i,
+                     SchedulingOptions(priority=priority[i]) if priority is not None else None)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
         request_ids: list[str] = []
@@ -65,10 +72,11 @@ class LLM:
         messages: Chat | Sequence[Chat],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (the model's chat template)."""
         chats = [messages] if is_chat(messages) else list(messages)
-        return self.generate(chats, sampling_params, use_tqdm)  # type: ignore[arg-type]
+        return self.generate(chats, sampling_params, use_tqdm, priority)  # type: ignore[arg-type]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -93,10 +101,14 @@ class LLM:
 
 
 def _process(
-    engine: LLMEngine, prompt: Prompt, params: SamplingParams, index: int
+    engine: LLMEngine,
+    prompt: Prompt,
+    params: SamplingParams,
+    index: int,
+    scheduling: SchedulingOptions | None,
 ) -> EngineRequest:
     try:
-        return engine.processor.process(prompt, params)
+        return engine.processor.process(prompt, params, scheduling=scheduling)
     except ValueError as exc:
         raise ValueError(f"prompts[{index}]: {exc}") from None
 

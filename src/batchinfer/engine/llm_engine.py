@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import EngineCoreOutput
-from batchinfer.core.request import RequestStatus
+from batchinfer.core.request import RequestStatus, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.core import EngineCore, Runner
 from batchinfer.engine.inputs import Prompt
@@ -59,6 +59,7 @@ class LLMEngine:
         worker: ModelWorker,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        config = config.fitted_to_cache(worker.num_blocks)
         self.config = config
         self.worker = worker
         self.clock = clock
@@ -92,9 +93,10 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_s: float | None = None,
         kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        scheduling: SchedulingOptions | None = None,
     ) -> str:
         """Tokenize and queue a prompt; returns its request id. `ValueError` on bad input."""
-        request = self.processor.process(prompt, params, request_id, arrival_s)
+        request = self.processor.process(prompt, params, request_id, arrival_s, scheduling)
         self.add_processed(request, kind)
         return request.request_id
 

@@ -39,6 +39,7 @@ class _Sequence:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    elastic_max_tokens: int | None = None
     changed: bool = False
 
 
@@ -50,7 +51,9 @@ class _RequestState:
     kind: RequestOutputKind
     sequences: list[_Sequence]
     metrics: RequestMetrics
+    priority_class: str
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,14 +68,14 @@ class ProcessedOutputs:
     `stats`: one entry per request the step touched, for metrics;
     `stopped`: `(scheduler id, stop string)` of sequences a stop string ended, and
     `to_abort`: scheduler ids of the other sequences of requests that failed; the caller must
-    finish both in the engine core. `failed`: request id -> error message.
+    finish both in the engine core. `failed`: request id -> (error message, error code).
     """
 
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: list[RequestStats] = field(default_factory=list)
     stopped: list[tuple[str, str]] = field(default_factory=list)
     to_abort: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -112,6 +115,7 @@ class OutputProcessor:
             kind,
             sequences,
             RequestMetrics(request.arrival_s),
+            request.priority_class,
         )
         self._states[request.request_id] = state
         for seq in sequences:
@@ -156,9 +160,10 @@ class OutputProcessor:
                 seq.detokenizer.flush()
                 seq.finish_reason = core_output.finish_reason.value  # type: ignore[union-attr]
                 seq.stop_reason = core_output.stop_reason
+                seq.elastic_max_tokens = core_output.elastic_cap
             if core_output.error is not None and state.error is None:
-                state.error = core_output.error
-                result.failed[state.request_id] = core_output.error
+                state.error, state.error_code = core_output.error, core_output.error_code
+                result.failed[state.request_id] = (core_output.error, core_output.error_code)
             _record(state.metrics, core_output)
             _, num_new = touched.get(state.request_id, (state, 0))
             touched[state.request_id] = (state, num_new + len(core_output.new_token_ids))
@@ -204,11 +209,15 @@ class OutputProcessor:
     def _emit(self, state: _RequestState, num_new_tokens: int, result: ProcessedOutputs) -> None:
         finished = state.finished
         stats = RequestStats(
-            state.request_id, len(state.prompt_token_ids), num_new_tokens, state.metrics
+            state.request_id, len(state.prompt_token_ids), num_new_tokens, state.metrics,
+            state.priority_class,
         )
         result.stats.append(stats)
         if finished:
             stats.finish_reasons = [s.finish_reason or "abort" for s in state.sequences]
+            stats.error_code = state.error_code
+            stats.num_elastic_truncations = sum(
+                s.elastic_max_tokens is not None for s in state.sequences)
             for seq in state.sequences:
                 self._parent_of.pop(seq.child_id, None)
             del self._states[state.request_id]
@@ -230,6 +239,7 @@ class OutputProcessor:
                 finished=finished,
                 metrics=dataclasses.replace(state.metrics),  # a snapshot: the state goes on
                 error=state.error,
+                error_code=state.error_code,
             )
         )
 
@@ -254,6 +264,7 @@ def _completion(seq: _Sequence, delta: bool) -> CompletionOutput:
         logprobs=logprobs,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
+        elastic_max_tokens=seq.elastic_max_tokens,
     )
 
 

@@ -44,6 +44,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Set when an elastic output cap (under KV pressure) ended it: the cap, in tokens.
+    elastic_max_tokens: int | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -52,7 +54,8 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     """A request after a step: its `n` sequences (for DELTA, only those that changed),
-    `finished` when all are. `error` says why the engine failed it (finish reason "abort")."""
+    `finished` when all are. `error` says why the engine failed it (finish reason "abort")
+    and `error_code` what kind of failure it is (`core.outputs.QUEUE_TIMEOUT`, ...)."""
 
     request_id: str
     prompt: str | None
@@ -61,6 +64,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,11 +80,15 @@ class RequestStats:
     """What one step (or an abort) did to one request, whatever its output kind: for metrics.
 
     `metrics` is the request's own record (read it on the thread that processes outputs);
-    `finish_reasons` (one per sequence) is set on the request's last stats.
+    `finish_reasons` (one per sequence), `error_code` and `num_elastic_truncations` are set on
+    the request's last stats.
     """
 
     request_id: str
     num_prompt_tokens: int
     num_new_tokens: int
     metrics: RequestMetrics
+    priority_class: str = "interactive"
     finish_reasons: list[str] | None = None
+    error_code: str | None = None
+    num_elastic_truncations: int = 0

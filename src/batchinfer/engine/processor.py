@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from batchinfer.core.request import Request
+from batchinfer.core.request import Request, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.inputs import Prompt, tokenize_prompt
 
@@ -33,6 +33,7 @@ class EngineRequest:
     # unique for the process's life: a request id reused after an abort, or one that looks like
     # another request's sequence id, can never receive another request's tokens.
     sequences: list[Request]
+    priority_class: str = "interactive"
 
 
 class Processor:
@@ -66,9 +67,11 @@ class Processor:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_s: float | None = None,
+        scheduling: SchedulingOptions | None = None,
     ) -> EngineRequest:
         """Tokenize, validate and fan out one request (not queued yet)."""
         params = params or SamplingParams()
+        scheduling = scheduling or SchedulingOptions()
         text, token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -88,7 +91,10 @@ class Processor:
             )
             for index in range(params.n)
         ]
-        return EngineRequest(request_id, text, token_ids, params, arrival_s, sequences)
+        for sequence in sequences:
+            sequence.apply(scheduling)
+        return EngineRequest(request_id, text, token_ids, params, arrival_s, sequences,
+                             scheduling.priority_class)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -4,7 +4,7 @@
 `build_embeddings_app(service, registry)` is a standalone app with `/health`, `/v1/models` and
 `/metrics` around it. Extensions to OpenAI's request: `truncate` (cut inputs longer than the
 model's max length instead of a 400), `lane` (`interactive` | `batch`), `timeout_ms` (queue
-deadline; 504 when it passes).
+deadline; 503 `queue_timeout` when it passes).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `{"error": {"message", "type", "param", "code"}}` with the status code of its cause:
 bad input 400 (pydantic validation, malformed JSON, `ValueError`; `param` names the field when
-known), unknown route 404, queue full 429 + `Retry-After`, queue timeout 504, anything else 500
+known), unknown route 404, queue full 429 + `Retry-After`, queue timeout 503 + `Retry-After`, anything else 500
 with the request id so a log line can be found. Handlers raise `APIError` for anything else.
 """
 
@@ -77,7 +77,7 @@ def to_api_error(exc: Exception, request_id: str | None = None) -> APIError:
         retry_after = str(max(1, math.ceil(exc.retry_after_s)))
         return APIError(429, str(exc), code="overloaded", headers={"Retry-After": retry_after})
     if isinstance(exc, ItemTimeoutError):
-        return APIError(504, str(exc), code="queue_timeout")
+        return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, BatcherClosedError):
         return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, ValueError):

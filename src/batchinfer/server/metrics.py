@@ -17,7 +17,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from batchinfer.core.outputs import SchedulerStats
+from batchinfer.core.outputs import QUEUE_TIMEOUT, SchedulerStats
+from batchinfer.core.request import PRIORITY_CLASSES
+from batchinfer.core.scheduler import PREEMPTION_REASONS, PREEMPTION_WINDOW_STEPS
 from batchinfer.engine.outputs import RequestStats
 
 # vLLM's buckets, so dashboards built for it read these the same way.
@@ -45,8 +47,18 @@ class ServerMetrics:
             "batchinfer_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
             registry=r)
         self.num_preemptions = Counter(
-            "batchinfer_num_preemptions", "Preemptions (recompute) of running requests",
-            registry=r)
+            "batchinfer_num_preemptions", "Preemptions (recompute) of running requests, by "
+            "reason: kv_full (a running request needed a block), priority (room for a waiting "
+            "request of higher priority)", ["reason"], registry=r)
+        self.preemption_rate = Gauge(
+            "batchinfer_preemption_rate", "Preemptions per 100 engine steps over the last "
+            f"{PREEMPTION_WINDOW_STEPS} steps (high: scheduling is too aggressive)", registry=r)
+        self.request_queue_timeouts = Counter(
+            "batchinfer_request_queue_timeouts", "Requests that left the queue unanswered "
+            "after their queue time limit (503 queue_timeout)", registry=r)
+        self.elastic_truncations = Counter(
+            "batchinfer_elastic_truncations", "Sequences ended by an elastic max_tokens cap "
+            "under KV pressure", registry=r)
         self.prompt_tokens = Counter(
             "batchinfer_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(
@@ -54,17 +66,18 @@ class ServerMetrics:
         self.request_success = Counter(
             "batchinfer_request_success", "Finished sequences by finish reason",
             ["finished_reason"], registry=r)
+        by_class = ["priority_class"]
         self.time_to_first_token = Histogram(
-            "batchinfer_time_to_first_token_seconds", "Arrival to first token",
+            "batchinfer_time_to_first_token_seconds", "Arrival to first token", by_class,
             buckets=TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
             "batchinfer_inter_token_latency_seconds", "Time between two tokens of a request",
             buckets=ITL_BUCKETS, registry=r)
         self.e2e_request_latency = Histogram(
-            "batchinfer_e2e_request_latency_seconds", "Arrival to finish",
+            "batchinfer_e2e_request_latency_seconds", "Arrival to finish", by_class,
             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.request_queue_time = Histogram(
-            "batchinfer_request_queue_time_seconds", "Arrival to first scheduled",
+            "batchinfer_request_queue_time_seconds", "Arrival to first scheduled", by_class,
             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.iteration_tokens = Histogram(
             "batchinfer_iteration_tokens", "Tokens computed per engine step",
@@ -74,7 +87,13 @@ class ServerMetrics:
             buckets=BATCH_SIZE_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(reason)
-        self._num_preemptions_seen = 0
+        for priority_class in PRIORITY_CLASSES:
+            for histogram in (self.time_to_first_token, self.e2e_request_latency,
+                              self.request_queue_time):
+                histogram.labels(priority_class)
+        for reason in PREEMPTION_REASONS:
+            self.num_preemptions.labels(reason)
+        self._preemptions_seen = dict.fromkeys(PREEMPTION_REASONS, 0)
         self._last_token_s: dict[str, float] = {}  # request id -> time of its latest tokens
 
     def record_step(self, stats: SchedulerStats) -> None:
@@ -82,9 +101,12 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        if stats.num_preemptions_total > self._num_preemptions_seen:
-            self.num_preemptions.inc(stats.num_preemptions_total - self._num_preemptions_seen)
-            self._num_preemptions_seen = stats.num_preemptions_total
+        for reason, total in stats.preemptions_by_reason.items():
+            seen = self._preemptions_seen.get(reason, 0)
+            if total > seen:
+                self.num_preemptions.labels(reason).inc(total - seen)
+                self._preemptions_seen[reason] = total
+        self.preemption_rate.set(stats.preemption_rate)
         if stats.num_scheduled_seqs:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.batch_size.observe(stats.num_scheduled_seqs)
@@ -107,17 +129,23 @@ class ServerMetrics:
         metrics = request.metrics
         self.prompt_tokens.inc(request.num_prompt_tokens)
         first_token_s = metrics.first_token_s if metrics.first_token_s is not None else now_s
-        self.time_to_first_token.observe(max(0.0, first_token_s - metrics.arrival_s))
+        label = request.priority_class
+        self.time_to_first_token.labels(label).observe(max(0.0, first_token_s - metrics.arrival_s))
         if metrics.queue_time_s is not None:
-            self.request_queue_time.observe(max(0.0, metrics.queue_time_s))
+            self.request_queue_time.labels(label).observe(max(0.0, metrics.queue_time_s))
 
     def _record_finished(self, request: RequestStats, now_s: float) -> None:
         self._last_token_s.pop(request.request_id, None)
         for reason in request.finish_reasons or ():
             self.request_success.labels(reason).inc()
+        if request.error_code == QUEUE_TIMEOUT:
+            self.request_queue_timeouts.inc()
+        if request.num_elastic_truncations:
+            self.elastic_truncations.inc(request.num_elastic_truncations)
         metrics = request.metrics
         finished_s = metrics.finished_s if metrics.finished_s is not None else now_s
-        self.e2e_request_latency.observe(max(0.0, finished_s - metrics.arrival_s))
+        self.e2e_request_latency.labels(request.priority_class).observe(
+            max(0.0, finished_s - metrics.arrival_s))
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition and its content type."""

@@ -2,7 +2,9 @@
 
 Fields are OpenAI's names. Extensions (documented in docs/server.md): `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-and `include_stop_str_in_output`. Unknown fields are ignored, as OpenAI-compatible servers do; fields
+and `include_stop_str_in_output`; scheduling: `priority` (int, lower first), `service_tier`
+(`interactive` | `batch`, or OpenAI's `auto` / `default` / `priority` / `flex`; also the
+`X-Service-Tier` header) and `timeout` (seconds a request may wait in the queue). Unknown fields are ignored, as OpenAI-compatible servers do; fields
 batchinfer cannot honour (`echo`, `suffix`, `logit_bias`, `best_of != n`, tools, non-text
 content) are rejected with a 400 that names them rather than silently dropped.
 """
@@ -14,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.server.errors import UnicodeChecked
 
@@ -21,6 +24,11 @@ from batchinfer.server.errors import UnicodeChecked
 MAX_N = 16
 MAX_PROMPTS = 256
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+# `service_tier` values -> priority class (None: the class the request's priority falls in).
+SERVICE_TIERS: dict[str, str | None] = {
+    "interactive": "interactive", "batch": "batch",
+    "auto": None, "default": None, "priority": "interactive", "flex": "batch",
+}
 
 
 class ParamError(ValueError):
@@ -65,10 +73,29 @@ class _SamplingFields(_Schema):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int | None = None
+    service_tier: str | None = None
+    timeout: float | None = Field(default=None, ge=0.0)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def scheduling(self, header_tier: str | None = None) -> SchedulingOptions:
+        """The request's scheduling options; the body's `service_tier` wins over the header's.
+        `ParamError` for an unknown tier."""
+        tier, param = self.service_tier, "service_tier"
+        if tier is None and header_tier is not None:
+            tier, param = header_tier.strip().lower(), "X-Service-Tier"
+        if tier is not None and tier not in SERVICE_TIERS:
+            raise ParamError(f"{param} must be one of {', '.join(SERVICE_TIERS)}; got {tier!r}",
+                             "service_tier")
+        return SchedulingOptions(
+            priority=self.priority,
+            service_tier=SERVICE_TIERS[tier] if tier is not None else None,
+            timeout_s=self.timeout,
+            max_tokens_fixed=bool({"max_tokens", "max_completion_tokens"} & self.model_fields_set),
+        )
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:

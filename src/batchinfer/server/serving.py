@@ -21,11 +21,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchinfer.core.outputs import TokenLogprobs
+from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
     QueueFullError,
+    QueueTimeoutError,
     RequestFailedError,
 )
 from batchinfer.engine.inputs import Prompt
@@ -63,23 +65,26 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         params = _checked(body.sampling_params)
         prompts: list[Prompt] = list(_checked(body.prompts))
-        return await self._run("completion", prompts, params, body.stream, body.include_usage,
-                               "max_tokens", request)
+        scheduling = _checked(lambda: body.scheduling(request.headers.get("x-service-tier")))
+        return await self._run("completion", prompts, params, scheduling, body.stream,
+                               body.include_usage, "max_tokens", request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = _checked(body.sampling_params)
         chat = _checked(body.chat)
+        scheduling = _checked(lambda: body.scheduling(request.headers.get("x-service-tier")))
         max_tokens_param = "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens_param = "max_completion_tokens"
-        return await self._run("chat", [chat], params, body.stream, body.include_usage,
-                               max_tokens_param, request)
+        return await self._run("chat", [chat], params, scheduling, body.stream,
+                               body.include_usage, max_tokens_param, request)
 
     async def _run(
         self,
         kind: Kind,
         prompts: list[Prompt],
         params: SamplingParams,
+        scheduling: SchedulingOptions,
         stream: bool,
         include_usage: bool,
         max_tokens_param: str,
@@ -90,7 +95,7 @@ class OpenAIServing:
         if len(prompts) > 1:
             ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         # Every prompt is tokenized and validated (off the loop) before any is queued.
-        requests = await asyncio.to_thread(self._process, prompts, params, ids,
+        requests = await asyncio.to_thread(self._process, prompts, params, scheduling, ids,
                                          max_tokens_param)
         self._check_capacity(requests)
         output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -146,8 +151,8 @@ class OpenAIServing:
         yield b"data: [DONE]\n\n"
 
     def _process(
-        self, prompts: list[Prompt], params: SamplingParams, ids: list[str],
-        max_tokens_param: str,
+        self, prompts: list[Prompt], params: SamplingParams, scheduling: SchedulingOptions,
+        ids: list[str], max_tokens_param: str,
     ) -> list[EngineRequest]:
         processor = self.llm.engine.processor
         max_model_len = self.llm.max_model_len
@@ -155,7 +160,7 @@ class OpenAIServing:
         for i, (prompt, request_id) in enumerate(zip(prompts, ids, strict=True)):
             where = f"prompt[{i}]: " if len(prompts) > 1 else ""
             try:
-                request = processor.process(prompt, params, request_id)
+                request = processor.process(prompt, params, request_id, scheduling=scheduling)
             except ValueError as exc:
                 raise APIError(400, f"{where}{exc}", param="prompt") from None
             num_prompt = len(request.prompt_token_ids)
@@ -225,7 +230,7 @@ def _checked(build: Any) -> Any:
 async def _engine_call(awaitable: Any, request: Request) -> Any:
     try:
         return await awaitable
-    except (QueueFullError, RequestFailedError, EngineDeadError) as exc:
+    except (QueueFullError, QueueTimeoutError, RequestFailedError, EngineDeadError) as exc:
         raise _api_error(exc, request) from None
 
 
@@ -234,6 +239,9 @@ def _api_error(exc: Exception, request: Request) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="queue_full",
+                        headers={"retry-after": str(RETRY_AFTER_S)})
+    if isinstance(exc, QueueTimeoutError):
+        return APIError(503, str(exc), code="queue_timeout",
                         headers={"retry-after": str(RETRY_AFTER_S)})
     if isinstance(exc, RequestFailedError):
         header_id = request.headers.get("x-request-id")
@@ -351,13 +359,13 @@ class _Renderer:
         if not state.role_sent:
             delta = {"role": "assistant", "content": text}
             state.role_sent = True
-        return {
+        return _with_extensions({
             "index": index,
             "delta": delta,
             "logprobs": self._chat_logprobs(logprobs) if has_logprobs else None,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
-        }
+        }, completion)
 
     def usage_chunk(self) -> bytes:
         num_completion = sum(s.num_tokens for s in self.choices.values())
@@ -380,13 +388,13 @@ class _Renderer:
                     choices.append(self._completion_choice(index, completion.text, logprobs,
                                                            completion))
                     continue
-                choices.append({
+                choices.append(_with_extensions({
                     "index": index,
                     "message": {"role": "assistant", "content": completion.text},
                     "logprobs": self._chat_logprobs(logprobs) if logprobs is not None else None,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
-                })
+                }, completion))
         body = self._envelope(_OBJECT[self.kind], choices)
         body["usage"] = _usage(num_prompt, num_completion)
         return body
@@ -402,13 +410,13 @@ class _Renderer:
         logprobs: Sequence[TokenLogprobs] | None,
         completion: CompletionOutput,
     ) -> dict[str, Any]:
-        return {
+        return _with_extensions({
             "index": index,
             "text": text,
             "logprobs": self._completion_logprobs(logprobs) if logprobs is not None else None,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
-        }
+        }, completion)
 
     def _completion_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         tokens = [self.token_text(e.token_id) for e in entries]
@@ -433,6 +441,14 @@ class _Renderer:
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _with_extensions(choice: dict[str, Any], completion: CompletionOutput) -> dict[str, Any]:
+    """`elastic_max_tokens`: the cap that ended the choice ("length") when it was an elastic
+    cap under KV pressure rather than the request's own max_tokens."""
+    if completion.elastic_max_tokens is not None:
+        choice["elastic_max_tokens"] = completion.elastic_max_tokens
+    return choice
 
 
 def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
