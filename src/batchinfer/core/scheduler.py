@@ -200,15 +200,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         continuous = self.config.batching == "continuous"
         deferred: list[Request] = []
-        defer_above = None
+        defer_for = None
         if self.by_priority:
             self.running.sort(key=self._victim_key)
             if continuous and self.waiting:
-                defer_above = self._rank(self.waiting.first(), now)
-        budget, preempted = self._schedule_running(output, budget, defer_above, deferred)
+                defer_for = self.waiting.first()
+        budget, preempted = self._schedule_running(output, budget, defer_for, deferred)
         if not preempted and continuous:
             budget = self._schedule_waiting(output, budget, now)
         self._schedule_deferred(output, budget, deferred)
+        if output.is_empty and self.running:
+            # The deferred chunks found no blocks and nothing could be admitted: run them as
+            # usual (preempting if need be), so a step never stalls while requests run.
+            self._schedule_running(output, self.config.max_num_batched_tokens, None, [])
         if output.is_empty and output.finished_request_ids:
             # No step runs: keep the ids for the next one, so the runner still hears of them.
             self._left_ids = output.finished_request_ids + self._left_ids
@@ -301,11 +305,20 @@ class Scheduler:
             return 0.0
         return effective_priority(request, now, self.aging_s)
 
-    def _victim_key(self, request: Request) -> tuple[float, int, int, float]:
-        """Larger = preempted sooner: lowest priority (as admitted), then most blocks held,
-        most work left, latest arrival."""
+    def _victim_key(self, request: Request) -> tuple[int, int, int, float]:
+        """Larger = preempted sooner: lowest priority, then most blocks held, most work left,
+        latest arrival."""
         held = len(self.block_manager.block_table(request.request_id))
-        return (request.admitted_rank, held, self._work_left(request), request.arrival_s)
+        return (request.priority, held, self._work_left(request), request.arrival_s)
+
+    @staticmethod
+    def _yields_to(running: Request, waiting: Request) -> bool:
+        """Whether a running request gives way to a waiting one (its prefill chunk is deferred;
+        under block pressure it may be preempted): it has a higher base priority, and it was
+        not admitted at the waiting one's level by aging (that one keeps its place).
+        Requests of one priority never yield to each other, so nothing ping-pongs."""
+        return (running.priority > waiting.priority
+                and running.admitted_rank > waiting.priority)
 
     def _output_limit(self, request: Request) -> int:
         """The most output tokens the request may produce (max_tokens, context, KV cap)."""
@@ -405,7 +418,7 @@ class Scheduler:
         wait; the ones behind may go) unless nothing runs. Returns the budget left."""
         bm = self.block_manager
         soft = self.config.kv_soft_watermark
-        committed = self._committed_blocks() if soft is not None else 0
+        committed = self._committed_blocks()
         for request in list(self.waiting):
             if budget <= 0:
                 break
@@ -416,11 +429,12 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             needed = bm.num_blocks_needed(request.request_id,
                                           request.num_computed_tokens + num_new)
-            while not self._admissible(needed):
-                refund = self._preempt_for(request, needed, now, output)
+            while not self._admissible(needed, committed + whole):
+                refund = self._preempt_for(request, needed, output)
                 if refund is None:
                     return budget  # in order: nothing behind it jumps a request that waits
                 budget += refund
+                committed = self._committed_blocks()
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 needed = bm.num_blocks_needed(request.request_id,
                                               request.num_computed_tokens + num_new)
@@ -434,28 +448,32 @@ class Scheduler:
             committed += whole
         return budget
 
-    def _admissible(self, needed: int) -> bool:
-        """A seat, the free blocks, and (unless the machine is empty) the admission
-        watermark: running requests keep room to grow, so kv-full preemption stays rare."""
+    def _admissible(self, needed: int, committed_after: int) -> bool:
+        """A seat, the free blocks for the first chunk (`needed`), and unless the machine is
+        empty the admission watermark: running requests keep room to grow, so kv-full
+        preemption stays rare. Under `priority` the watermark also holds for the request's
+        whole prompt on top of what running prefills still need (`committed_after`): a request
+        that could only finish its prefill by preempting is not started (no recompute
+        ping-pong between long prompts)."""
         bm = self.block_manager
         if len(self.running) >= self.config.max_num_seqs or needed > bm.num_free_blocks:
             return False
+        if not self.running:
+            return True
         limit = self.config.kv_admission_watermark * bm.num_blocks
-        return not self.running or bm.num_used_blocks + needed <= limit
+        if self.by_priority:
+            return committed_after <= limit
+        return bm.num_used_blocks + needed <= limit
 
     def _preempt_for(
-        self, request: Request, needed: int, now: float, output: SchedulerOutput
+        self, request: Request, needed: int, output: SchedulerOutput
     ) -> int | None:
-        """priority: preempt one running request of lower priority than the waiting `request`
-        (a higher base priority, and admitted with a higher effective one: a request that got
-        in by aging keeps its place), if preempting all of them would make room. Returns the
-        budget it gives back (its tokens scheduled in this step), or None when nothing is
-        preempted. Requests of one priority never preempt each other: no thrashing."""
+        """priority: preempt one running request that yields to the waiting `request`
+        (`_yields_to`), if preempting all of them would make room. Returns the budget it
+        gives back (its tokens scheduled in this step), or None when nothing is preempted."""
         if not self.by_priority:
             return None
-        rank = self._rank(request, now)
-        lower = [r for r in self.running
-                 if r.priority > request.priority and r.admitted_rank > rank]
+        lower = [r for r in self.running if self._yields_to(r, request)]
         if not lower:
             return None
         bm = self.block_manager
@@ -490,11 +508,11 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         budget: int,
-        defer_above: float | None,
+        defer_for: Request | None,
         deferred: list[Request],
     ) -> tuple[int, bool]:
         """Give each running request its next tokens; preempt from the end when blocks run
-        out. A prefill chunk of a request ranked below `defer_above` (the best waiting
+        out. The prefill chunk of a request that yields to `defer_for` (the best waiting
         request) is deferred until waiting requests are admitted. Returns the budget left and
         whether anything was preempted."""
         preempted = False
@@ -502,7 +520,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
-            if defer_above is not None and remaining > 1 and request.admitted_rank > defer_above:
+            if defer_for is not None and remaining > 1 and self._yields_to(request, defer_for):
                 deferred.append(request)
                 i += 1
                 continue
