@@ -94,6 +94,18 @@ def run_one(args: argparse.Namespace, name: str, round_index: int) -> dict[str, 
     }
 
 
+def run_rounds(args: argparse.Namespace, names: list[str], run_one: Any) -> list[dict[str, Any]]:
+    """`run_one(args, name, round)` for every name, `args.repeats` rounds alternating (machine
+    drift hits every configuration alike); each row printed as it comes."""
+    rows = []
+    for round_index in range(args.repeats):
+        for name in names:
+            row = run_one(args, name, round_index)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def median(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in rows if r[key] is not None]
     return statistics.median(values) if values else None
@@ -102,8 +114,9 @@ def median(rows: list[dict[str, Any]], key: str) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--kv-cache-memory", default="160M",
-                        help="KV cache of each server: small, so the load runs under pressure")
+    parser.add_argument("--kv-cache-memory", default="320M",
+                        help="KV cache of each server: small, so the load runs under pressure "
+                        "(320M of float32 KV: 7,200 tokens of the default model)")
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--request-rate", type=float, default=0.5,
                         help="Poisson rate of the interactive requests (req/s)")
@@ -115,16 +128,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
-    parser.add_argument("--server-args", default="", help="more flags for both servers")
+    parser.add_argument("--server-args", default="--dtype float32",
+                        help="more flags for both servers (default float32: the same KV size "
+                        "on every CPU)")
     parser.add_argument("--result-dir", default="results/pressure")
     args = parser.parse_args()
 
-    rows = []
-    for round_index in range(args.repeats):
-        for name in CONFIGS:
-            row = run_one(args, name, round_index)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = run_rounds(args, list(CONFIGS), run_one)
 
     def med(name: str, key: str) -> float | None:
         return median([r for r in rows if r["config"] == name], key)

@@ -65,9 +65,16 @@ class Harness:
         bm = self.sched.block_manager
         bm.check_invariants()
         free = set(bm._free)
+        size = bm.block_size
         for seq in out.sequences:
             assert not free & set(seq.block_table)
             self.first_scheduled.setdefault(seq.request_id, self.clock.now)
+            # The blocks this step writes belong to this sequence alone (prefix caching shares
+            # only full blocks, which are never written again).
+            first = seq.num_computed_tokens // size
+            last = (seq.num_computed_tokens + seq.num_tokens - 1) // size
+            for block_id in seq.block_table[first : last + 1]:
+                assert bm._ref_counts[block_id] == 1, "a step writes a shared block"
         # A step with running requests is never empty: the engine would wait forever.
         assert self.sched.running == [] or not out.is_empty, "stalled"
         assert out.num_scheduled_tokens <= self.config.max_num_batched_tokens
@@ -356,11 +363,11 @@ def test_max_blocks_per_request_refuses_at_admission_and_bounds_open_requests():
 def test_presets_resolve_and_explicit_knobs_win():
     interactive = EngineConfig.from_kwargs(preset="interactive")
     assert (interactive.scheduling_policy, interactive.kv_soft_watermark,
-            interactive.kv_admission_watermark, interactive.max_num_batched_tokens) == (
-        "priority", 0.6, 0.8, 256)
+            interactive.kv_admission_watermark, interactive.max_num_batched_tokens,
+            interactive.priority_aging_ms) == ("priority", 0.7, 0.8, 256, 10_000)
     mine = EngineConfig.from_kwargs(preset="interactive", scheduling_policy="fcfs",
-                                    kv_soft_watermark=0.7)
-    assert (mine.scheduling_policy, mine.kv_soft_watermark) == ("fcfs", 0.7)
+                                    kv_soft_watermark=0.6)
+    assert (mine.scheduling_policy, mine.kv_soft_watermark) == ("fcfs", 0.6)
     offline = EngineConfig.from_kwargs(preset="offline")
     assert (offline.scheduling_policy, offline.kv_admission_watermark) == ("fcfs", 0.95)
     fitted = offline.fitted_to_cache(num_blocks=100)
