@@ -199,3 +199,33 @@ def test_engine_options_are_validated(llama_dir):
         LLM("/nonexistent/model")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(str(llama_dir), dtype="float32", kv_cache_memory=1024)
+
+
+def test_prefix_caching_gives_the_same_tokens_shared_preempted_and_n(llama_dir, llm):
+    """A shared 70-token prefix: every backend of the real runner reads the shared blocks
+    exactly as if each request had computed them, alone, chunked, under preemption and with
+    n > 1, against the same engine with prefix caching off."""
+    rng = random.Random(11)
+    vocab = llm.engine.processor.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(70)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+               for _ in range(12)]
+    off = LLM(str(llama_dir), dtype="float32", kv_cache_memory=64 << 20,
+              enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY, use_tqdm=False)]
+    for knobs in ({}, {"max_num_batched_tokens": 24},
+                  {"kv_cache_memory": small_cache_bytes(llm, 14)},
+                  {"attention_backend": "sdpa"}, {"attention_backend": "gather"}):
+        on = LLM(str(llama_dir), dtype="float32", **{"kv_cache_memory": 64 << 20, **knobs})
+        first = on.generate(prompts[:1], GREEDY, use_tqdm=False)  # fills the cache
+        rest = on.generate(prompts[1:], GREEDY, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in first + rest]
+        assert got == want, knobs
+        assert on.engine.core.scheduler.prefix_cache_hits >= 11 * 64, knobs
+    n_params = SamplingParams(n=3, max_tokens=GREEDY.max_tokens, temperature=0,
+                              ignore_eos=True)
+    on = LLM(str(llama_dir), dtype="float32", kv_cache_memory=64 << 20)
+    (out,) = on.generate([prompts[0]], n_params, use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [want[0]] * 3
+    # The two copies take every full block of the prompt but the last token's from the first.
+    assert on.engine.core.scheduler.prefix_cache_hits == 2 * ((len(prompts[0]) - 1) // 16 * 16)

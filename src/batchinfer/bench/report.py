@@ -174,6 +174,11 @@ def _server_table(result: BenchResult) -> Table | str:
                        ("queue_timeouts", "queue timeouts (during run)")):
         if key in server.deltas:
             table.add_row(label, f"{server.deltas[key]:g}", "")
+    queries = server.deltas.get("prefix_cache_queries")
+    if queries:
+        hits = server.deltas.get("prefix_cache_hits", 0.0)
+        table.add_row("prefix cache hit rate (tokens)", f"{100 * hits / queries:.1f}%",
+                      f"{hits:g} of {queries:g}")
     return table
 
 

@@ -28,6 +28,8 @@ GAUGES = {
 COUNTERS = {
     "preemptions": ("batchinfer_num_preemptions", "vllm:num_preemptions"),
     "queue_timeouts": ("batchinfer_request_queue_timeouts",),
+    "prefix_cache_queries": ("batchinfer_prefix_cache_queries", "vllm:prefix_cache_queries"),
+    "prefix_cache_hits": ("batchinfer_prefix_cache_hits", "vllm:prefix_cache_hits"),
 }
 HISTOGRAMS = {
     "batch_size": ("batchinfer_batch_size",),

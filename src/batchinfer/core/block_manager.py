@@ -1,35 +1,72 @@
-"""Paged KV cache bookkeeping: a free list, reference counts and one block table per request.
+"""Paged KV cache bookkeeping: free blocks, reference counts, one block table per request, and
+the prefix cache.
 
 Pure Python: block ids are ints and block tables `list[int]`; the runner maps them onto tensors.
-Invariant (checked by `check_invariants`): every block is either free (ref count 0, in the free
-list exactly once) or referenced by the tables that hold it (ref count = number of holders).
+
+Prefix caching: once a block is full of computed tokens it is identified by a chained key, the
+hash of its parent block's key and its own tokens (so a block stands for its whole prefix, not
+only its 16 tokens). A request that starts (or resumes after preemption) looks up the longest run
+of its leading full blocks in the cache and shares them (reference count + 1) instead of
+computing them again. A block whose last holder leaves stays cached in the free pool; free
+blocks are reused least recently freed first, uncached ones before cached ones, and a cached
+block is evicted (forgotten) only when it is reused. Only full blocks are shared and a full
+block is never written again, so sharing needs no copy-on-write.
+
+Invariants (`check_invariants`): every block is free (reference count 0, in the free pool once)
+or referenced by the tables that hold it (count = holders); free + used = total; a key maps to
+exactly one block, and that block carries the key.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, the block's tokens)
+ROOT_PARENT = 0  # the parent hash of a request's first block
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
-    """Owns `num_blocks` KV blocks of `block_size` tokens each."""
+def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_PARENT,
+               start_block: int = 0) -> list[BlockKey]:
+    """The chained keys of the full blocks of `token_ids` from `start_block` on (`parent`: the
+    hash of the key of the block before it)."""
+    keys = []
+    for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
+        key = (parent, tuple(token_ids[start : start + block_size]))
+        keys.append(key)
+        parent = hash(key)
+    return keys
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class BlockManager:
+    """Owns `num_blocks` KV blocks of `block_size` tokens each (`enable_prefix_caching`: full
+    blocks are shared by key and kept after their last holder leaves)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+                 ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        # Free pool in reuse order (first = next to be reused); values unused.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._block_key: list[BlockKey | None] = [None] * num_blocks
+        self._cached: dict[BlockKey, int] = {}
+        # Keys of each request's leading full blocks registered so far (the chain's tail).
+        self._request_keys: dict[str, list[BlockKey]] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks a request may take: unused ones and cached ones nobody holds (evictable)."""
         return len(self._free)
 
     @property
@@ -37,8 +74,14 @@ class BlockManager:
         return self.num_blocks - len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a cached prefix (held by requests or free)."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1 (`batchinfer_kv_cache_usage_perc`)."""
+        """Fraction of blocks in use, 0..1 (`batchinfer_kv_cache_usage_perc`); cached blocks
+        nobody holds count as free."""
         return self.num_used_blocks / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
@@ -49,6 +92,60 @@ class BlockManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
+    # ----------------------------------------------------------------- prefix cache
+    def cached_blocks(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The cached blocks of the longest run of leading `keys` (see `block_keys`; to leave a
+        token to compute, pass the keys of all but a prompt's last token)."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
+        for key in keys:
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_free_after_sharing(self, cached: Sequence[int]) -> int:
+        """Free blocks left once the `cached` blocks are shared (those that are free leave the
+        free pool)."""
+        return len(self._free) - sum(1 for b in cached if self._ref_counts[b] == 0)
+
+    def share(self, request_id: str, cached: Sequence[int]) -> None:
+        """Start a request's (empty) table with the `cached` blocks of its prefix."""
+        if self._tables.get(request_id):
+            raise RuntimeError(f"request {request_id!r} already holds blocks")
+        table = self._tables.setdefault(request_id, [])
+        keys = self._request_keys.setdefault(request_id, [])
+        for block_id in cached:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+            table.append(block_id)
+            keys.append(self._block_key[block_id])  # type: ignore[arg-type]
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the request's blocks that are full of computed tokens (`token_ids` holds at
+        least its first `num_computed` tokens). A block whose key is cached already (another
+        request computed the same prefix at the same time) stays private."""
+        if not self.enable_prefix_caching:
+            return
+        keys = self._request_keys.setdefault(request_id, [])
+        num_full = num_computed // self.block_size
+        if num_full <= len(keys):
+            return
+        table = self._tables[request_id]
+        parent = hash(keys[-1]) if keys else ROOT_PARENT
+        start = len(keys)
+        new_keys = block_keys(token_ids[: num_full * self.block_size], self.block_size, parent,
+                              start)
+        for block_id, key in zip(table[start:num_full], new_keys, strict=True):
+            keys.append(key)
+            if key not in self._cached and self._block_key[block_id] is None:
+                self._cached[key] = block_id
+                self._block_key[block_id] = key
+
+    # ----------------------------------------------------------------- allocation
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; return it, or None (and change
         nothing) when not enough blocks are free."""
@@ -57,25 +154,42 @@ class BlockManager:
             return None
         table = self._tables.setdefault(request_id, [])
         for _ in range(needed):
-            block_id = self._free.popleft()
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
             self._ref_counts[block_id] = 1
             table.append(block_id)
         return table
 
+    def _evict(self, block_id: int) -> None:
+        key = self._block_key[block_id]
+        if key is not None:
+            self._block_key[block_id] = None
+            del self._cached[key]
+
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (a request without blocks is a no-op)."""
+        """Release the request's blocks (a request without blocks is a no-op). Cached blocks
+        stay in the free pool to be found again, the request's last blocks first in line for
+        reuse; uncached ones go to the front."""
+        self._request_keys.pop(request_id, None)
         for block_id in reversed(self._tables.pop(request_id, ())):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                self._free[block_id] = None
+                if self._block_key[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody holds; returns how many."""
+        dropped = [b for b in self._free if self._block_key[b] is not None]
+        for block_id in dropped:
+            self._evict(block_id)
+        return len(dropped)
 
     def check_invariants(self) -> None:
-        """Raise `RuntimeError` if the free list, ref counts and tables disagree."""
+        """Raise `RuntimeError` if the free pool, ref counts, tables and keys disagree."""
         free = set(self._free)
-        if len(free) != len(self._free):
-            raise RuntimeError("a block is in the free list twice")
         holders = [0] * self.num_blocks
         for table in self._tables.values():
             for block_id in table:
@@ -86,3 +200,8 @@ class BlockManager:
             raise RuntimeError("reference counts do not match block tables")
         if len(free) + sum(1 for h in holders if h) != self.num_blocks:
             raise RuntimeError("free + used blocks != total blocks")
+        for key, block_id in self._cached.items():
+            if self._block_key[block_id] != key:
+                raise RuntimeError(f"cached key of block {block_id} does not match")
+        if sum(1 for k in self._block_key if k is not None) != len(self._cached):
+            raise RuntimeError("a block carries a key the cache does not map")

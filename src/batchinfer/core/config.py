@@ -21,16 +21,20 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 GiB = 1 << 30
 
 # `--preset NAME` sets these knobs at once; a knob given explicitly wins over its preset.
-# interactive: the users' article's latency-first rule (soft watermark ~60 %, KV use capped at
-#   80 %, small steps so a prompt's first token is not stuck behind long prefill chunks).
+# interactive: latency first: priorities, a soft watermark at 70 % and KV admission capped at
+#   80 % (the users' article), small steps so a prompt's first token is not stuck behind long
+#   prefill chunks, and slow aging (10 s a level: a batch request ranks with interactive ones
+#   after 100 s) so a long burst of batch work cannot age into the room kept for interactive
+#   requests (docs/scheduling.md has the measurements behind these values).
 # offline: throughput first: fcfs, a high watermark, and steps and batches as large as the KV
 #   cache allows (`max_num_seqs` / `max_num_batched_tokens` are clamped to the cache at start-up).
 PRESETS: dict[str, dict[str, Any]] = {
     "interactive": {
         "scheduling_policy": "priority",
-        "kv_soft_watermark": 0.6,
+        "kv_soft_watermark": 0.7,
         "kv_admission_watermark": 0.8,
         "max_num_batched_tokens": 256,
+        "priority_aging_ms": 10_000.0,
     },
     "offline": {
         "scheduling_policy": "fcfs",
@@ -89,6 +93,9 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata=_help(
         "paged attention: auto (cpu_sparse on CPU with a float32 cache, else gather), sdpa "
         "(the portable reference), gather, cpu_sparse"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "share the KV blocks of a prompt prefix already computed (full blocks, by chained hash;"
+        " freed blocks stay cached until reused, least recently freed first)"))
     preset: str | None = field(default=None, metadata=_help(
         "interactive or offline: sets a group of scheduling knobs at once (docs/scheduling.md);"
         " explicit flags win"))
@@ -141,6 +148,9 @@ class EngineConfig:
         if not isinstance(self.special_tokens_in_chat, bool):
             raise ValueError("special_tokens_in_chat must be true or false, "
                              f"got {self.special_tokens_in_chat!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be true or false, "
+                             f"got {self.enable_prefix_caching!r}")
         if not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)

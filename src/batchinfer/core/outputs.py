@@ -140,3 +140,6 @@ class SchedulerStats:
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     # Preemptions per 100 steps over the last `PREEMPTION_WINDOW_STEPS` steps that ran.
     preemption_rate: float = 0.0
+    # Prefix cache, cumulative, in tokens (vLLM's definition): looked up at admission, found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from batchinfer.core.block_manager import BlockManager, cdiv
+from batchinfer.core.block_manager import ROOT_PARENT, BlockKey, BlockManager, block_keys, cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import (
     QUEUE_TIMEOUT,
@@ -71,7 +71,13 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.clock = clock
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        # Prefix cache: tokens looked up and found at admission (vLLM's counters), and the
+        # block keys of waiting requests (their tokens do not change while they wait).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._lookup_keys: dict[str, list[BlockKey]] = {}
         self.by_priority = config.scheduling_policy == "priority"
         self.aging_s = config.priority_aging_ms / 1000.0
         self.waiting: WaitingQueue = (
@@ -228,6 +234,8 @@ class Scheduler:
         Returns one output per sequence that gained a token (a sequence the runner failed has
         `None` for its token and is left to the caller)."""
         now = self.clock()
+        bm = self.block_manager
+        caching, size = bm.enable_prefix_caching, bm.block_size
         logprobs = runner_output.logprobs or [None] * len(scheduler_output.sequences)
         outputs = []
         finished: list[Request] = []
@@ -237,7 +245,11 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            before = request.num_computed_tokens
             request.num_computed_tokens += seq.num_tokens
+            if caching and request.num_computed_tokens // size > before // size:
+                bm.cache_blocks(request.request_id, request.all_token_ids,
+                                request.num_computed_tokens)
             if token_id is None:
                 continue
             request.output_token_ids.append(token_id)
@@ -270,6 +282,8 @@ class Scheduler:
             kv_cache_usage=self.block_manager.usage,
             num_preemptions_total=self.num_preemptions_total,
             preemptions_by_reason=dict(self.preemptions_by_reason),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
             preemption_rate=100.0 * sum(recent) / len(recent) if recent else 0.0,
         )
 
@@ -419,34 +433,97 @@ class Scheduler:
         bm = self.block_manager
         soft = self.config.kv_soft_watermark
         committed = self._committed_blocks()
+        prefilling = self._prefilling_by_first_block()
         for request in list(self.waiting):
             if budget <= 0:
                 break
-            whole = bm.num_blocks_needed(request.request_id, request.num_tokens)
+            cached = self._cached_prefix(request)
+            if self._shares_a_running_prefill(request, cached, prefilling):
+                continue  # it waits for that prefill, then takes its blocks from the cache
+            # Blocks it adds to those in use: new ones + cached ones that nobody holds now.
+            reused = bm.num_free_blocks - bm.num_free_after_sharing(cached)
+            whole = cdiv(request.num_tokens, bm.block_size) - len(cached) + reused
             if (soft is not None and self.running and committed + whole > soft * bm.num_blocks
                     and not self._soft_exempt(request, now)):
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = bm.num_blocks_needed(request.request_id,
-                                          request.num_computed_tokens + num_new)
-            while not self._admissible(needed, committed + whole):
-                refund = self._preempt_for(request, needed, output)
+            start = len(cached) * bm.block_size
+            num_new = min(request.num_tokens - start, budget)
+            take = cdiv(start + num_new, bm.block_size) - len(cached) + reused
+            while not self._admissible(take, committed + whole):
+                refund = self._preempt_for(request, take, output)
                 if refund is None:
                     return budget  # in order: nothing behind it jumps a request that waits
                 budget += refund
                 committed = self._committed_blocks()
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                needed = bm.num_blocks_needed(request.request_id,
-                                              request.num_computed_tokens + num_new)
-            table = bm.allocate(request.request_id, request.num_computed_tokens + num_new)
-            if table is None:
-                return budget
+                cached = self._cached_prefix(request)  # a victim's blocks may have left
+                reused = bm.num_free_blocks - bm.num_free_after_sharing(cached)
+                start = len(cached) * bm.block_size
+                num_new = min(request.num_tokens - start, budget)
+                take = cdiv(start + num_new, bm.block_size) - len(cached) + reused
+            bm.share(request.request_id, cached)
+            table = bm.allocate(request.request_id, start + num_new)
+            if table is None:  # not reached: `_admissible` checked the free blocks
+                raise RuntimeError("admission allocated more blocks than were free")
             self.waiting.remove(request)
+            self._lookup_keys.pop(request.request_id, None)
+            request.num_computed_tokens = start
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += start
             self._start(request, now)
             output.sequences.append(self._sequence(request, num_new, table))
             budget -= num_new
             committed += whole
+            if bm.enable_prefix_caching and request.num_prompt_tokens > bm.block_size:
+                key = (ROOT_PARENT, tuple(request.prompt_token_ids[: bm.block_size]))
+                prefilling.setdefault(key, []).append(request)  # its copies wait for it
         return budget
+
+    # ----------------------------------------------------------------- prefix cache
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks of a waiting request's longest cached prefix (none unless prefix
+        caching is on). Its block keys are computed once while it waits."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return []
+        keys = self._lookup_keys.get(request.request_id)
+        if keys is None:
+            tokens = request.all_token_ids
+            keys = block_keys(tokens[: len(tokens) - 1], bm.block_size)
+            self._lookup_keys[request.request_id] = keys
+        return bm.cached_blocks(keys)
+
+    def _prefilling_by_first_block(self) -> dict[BlockKey, list[Request]]:
+        """Running requests whose prompt prefill is under way, by their first block's key."""
+        if not self.block_manager.enable_prefix_caching:
+            return {}
+        size = self.block_manager.block_size
+        out: dict[BlockKey, list[Request]] = {}
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens and r.num_prompt_tokens > size:
+                key = (ROOT_PARENT, tuple(r.prompt_token_ids[:size]))
+                out.setdefault(key, []).append(r)
+        return out
+
+    def _shares_a_running_prefill(
+        self, request: Request, cached: list[int], prefilling: dict[BlockKey, list[Request]]
+    ) -> bool:
+        """Whether a running request is still computing blocks this one would find cached once
+        that prefill is done (the `n` sequences of one prompt, requests with one system
+        prompt): it is better to wait a step or two than to compute them twice."""
+        keys = self._lookup_keys.get(request.request_id)
+        if not prefilling or not keys or request.num_computed_tokens:
+            return False
+        size = self.block_manager.block_size
+        for other in prefilling.get(keys[0], ()):
+            shared = 0
+            other_keys = block_keys(other.prompt_token_ids, size)
+            for mine, theirs in zip(keys, other_keys, strict=False):
+                if mine != theirs:
+                    break
+                shared += 1
+            if shared > len(cached) and other.num_computed_tokens < shared * size:
+                return True
+        return False
 
     def _admissible(self, needed: int, committed_after: int) -> bool:
         """A seat, the free blocks for the first chunk (`needed`), and unless the machine is
@@ -622,6 +699,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request.request_id)
+        self._lookup_keys.pop(request.request_id, None)
         self._left_ids.append(request.request_id)
         request.status = status
         request.metrics.finished_s = self.clock()

@@ -53,6 +53,12 @@ class ServerMetrics:
         self.preemption_rate = Gauge(
             "batchinfer_preemption_rate", "Preemptions per 100 engine steps over the last "
             f"{PREEMPTION_WINDOW_STEPS} steps (high: scheduling is too aggressive)", registry=r)
+        self.prefix_cache_queries = Counter(
+            "batchinfer_prefix_cache_queries", "Tokens looked up in the prefix cache when a "
+            "request is admitted", registry=r)
+        self.prefix_cache_hits = Counter(
+            "batchinfer_prefix_cache_hits", "Tokens found in the prefix cache (not computed)",
+            registry=r)
         self.request_queue_timeouts = Counter(
             "batchinfer_request_queue_timeouts", "Requests that left the queue unanswered "
             "after their queue time limit (503 queue_timeout)", registry=r)
@@ -94,6 +100,7 @@ class ServerMetrics:
         for reason in PREEMPTION_REASONS:
             self.num_preemptions.labels(reason)
         self._preemptions_seen = dict.fromkeys(PREEMPTION_REASONS, 0)
+        self._prefix_seen = (0, 0)  # (queries, hits) counted so far
         self._last_token_s: dict[str, float] = {}  # request id -> time of its latest tokens
 
     def record_step(self, stats: SchedulerStats) -> None:
@@ -107,6 +114,11 @@ class ServerMetrics:
                 self.num_preemptions.labels(reason).inc(total - seen)
                 self._preemptions_seen[reason] = total
         self.preemption_rate.set(stats.preemption_rate)
+        queries, hits = self._prefix_seen
+        if stats.prefix_cache_queries > queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
+            self._prefix_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         if stats.num_scheduled_seqs:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.batch_size.observe(stats.num_scheduled_seqs)
