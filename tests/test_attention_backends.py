@@ -164,3 +164,33 @@ def test_build_needs_a_matching_cache(backend: str) -> None:
         attention.build(metadata)
     with pytest.raises(ValueError, match="num_blocks"):
         attention.allocate_kv_cache(Spec(), 0, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("backend", ["sdpa", "gather"])
+def test_fp8_cache_attends_exactly_over_its_stored_values(backend: str, kv_dtype: torch.dtype):
+    """An FP8 cache: the output equals float64 attention over the K/V as stored (rounded to
+    FP8) to float32 rounding, and stays within the documented distance of attention over the
+    unrounded K/V (first chunks of several tokens attend their own K/V at model precision)."""
+    from tests.test_runner_attention import _dense
+
+    case = make_case(MIXED_SHAPES, 14, torch.float32, block_size=8)
+    outputs = run_backend(backend, case, kv_dtype)
+    worst = 0.0
+    for seq, out, queries, keys, values in zip(case.sequences, outputs, case.queries,
+                                               case.keys, case.values, strict=True):
+        first, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_tokens
+        stored_k, stored_v = keys[:end], values[:end]
+        # Read back from the cache (the values as stored): a later chunk, and with the paged
+        # backends any one-token query (they attend every decode from the cache).
+        if first > 0 or (backend != "sdpa" and seq.num_tokens == 1):
+            stored_k, stored_v = (x.to(kv_dtype).to(torch.float32) for x in (keys[:end],
+                                                                              values[:end]))
+        torch.testing.assert_close(out.double(), _dense(queries[first:end], stored_k, stored_v,
+                                                       first), atol=1e-5, rtol=1e-5)
+        exact = _dense(queries[first:end], keys[:end], values[:end], first)
+        relative = (out.double() - exact).abs().max() / values[:end].abs().max()
+        worst = max(worst, float(relative))
+    # The documented tolerance: the type's rounding (2^-4 for e4m3, 2^-3 for e5m2) of the
+    # largest |V|, with a little room for the rounding of K moving the weights.
+    assert 0 < worst < (0.08 if kv_dtype == torch.float8_e4m3fn else 0.16)

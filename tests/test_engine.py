@@ -229,3 +229,29 @@ def test_prefix_caching_gives_the_same_tokens_shared_preempted_and_n(llama_dir, 
     assert [c.token_ids for c in out.outputs] == [want[0]] * 3
     # The two copies take every full block of the prompt but the last token's from the first.
     assert on.engine.core.scheduler.prefix_cache_hits == 2 * ((len(prompts[0]) - 1) // 16 * 16)
+
+
+def test_fp8_kv_cache_holds_four_times_the_tokens_and_serves(llama_dir):
+    """Same `kv_cache_memory`: an FP8 cache holds 4x the tokens of a float32 one; generation
+    runs on it (every backend that takes FP8), and `calculate_kv_scales` sets per-layer scales
+    from the first step (the calibrated run agrees with float32 at least as often as the
+    uncalibrated one on this model; tokens agree exactly only as far as FP8 rounding allows,
+    measured on the embedded model in benchmarks/kv_fp8.py)."""
+    memory = 4 << 20
+    fp32 = LLM(str(llama_dir), dtype="float32", kv_cache_memory=memory)
+    prompts = random_prompts(6, fp32.engine.processor.vocab_size, seed=21, high=60)
+    want = [o.outputs[0].token_ids for o in fp32.generate(prompts, GREEDY, use_tqdm=False)]
+    for kv_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        for backend in ("gather", "sdpa"):
+            llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=memory,
+                      kv_cache_dtype=kv_dtype, attention_backend=backend,
+                      calculate_kv_scales=True)
+            assert llm.engine.worker.num_blocks == 4 * fp32.engine.worker.num_blocks
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+            assert [len(g) for g in got] == [len(w) for w in want]
+            assert all(g[0] == w[0] for g, w in zip(got, want, strict=True))  # first token:
+            # from the prompt's own K/V at model precision
+            scales = llm.engine.worker.runner.attention.kv_scales
+            assert all(0 < k < 1 and 0 < v < 1 for k, v in scales), scales
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        LLM(str(llama_dir), calculate_kv_scales=True)

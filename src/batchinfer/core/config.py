@@ -15,7 +15,7 @@ from batchinfer.core.validation import (
 BATCHING_FORMS = ("continuous", "dynamic", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 GiB = 1 << 30
@@ -70,7 +70,11 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.85, metadata=_help(
         "fraction of GPU memory for weights + KV cache (CUDA only)"))
     kv_cache_dtype: str = field(default="auto", metadata=_help(
-        "KV cache element type: auto (= dtype), float32, bfloat16, float16"))
+        "KV cache element type: auto (= dtype), float32, bfloat16, float16, fp8_e4m3, "
+        "fp8_e5m2 (1 byte, a per-layer scale)"))
+    calculate_kv_scales: bool = field(default=False, metadata=_help(
+        "FP8 KV cache: set each layer's K and V scales from the first step's values "
+        "(default: 1.0)"))
     max_num_seqs: int = field(default=64, metadata=_help("most sequences in one step"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help(
         "token budget of one step: prefill chunks + decode tokens"))
@@ -148,6 +152,12 @@ class EngineConfig:
         if not isinstance(self.special_tokens_in_chat, bool):
             raise ValueError("special_tokens_in_chat must be true or false, "
                              f"got {self.special_tokens_in_chat!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError("calculate_kv_scales must be true or false, "
+                             f"got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("calculate_kv_scales needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "
+                             f"got {self.kv_cache_dtype!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("enable_prefix_caching must be true or false, "
                              f"got {self.enable_prefix_caching!r}")

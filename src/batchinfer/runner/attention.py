@@ -68,19 +68,23 @@ class AttentionBackend(Protocol):
 
 
 def select_attention_backend(
-    device: torch.device, kv_dtype: torch.dtype, name: str = "auto"
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    name: str = "auto",
+    calculate_kv_scales: bool = False,
 ) -> AttentionBackend:
     """The backend called `name` for a cache of `kv_dtype` on `device` (not yet allocated).
 
     `auto` picks `cpu_sparse` on CPU with a float32 cache, else `gather`. ValueError naming
-    `attention_backend` for an unknown name, or `cpu_sparse` where it cannot run.
+    `attention_backend` for an unknown name, or `cpu_sparse` where it cannot run. With an FP8
+    cache, `calculate_kv_scales` sets each layer's scales from the first step.
     """
     if name == "auto":
         name = "cpu_sparse" if supports_cpu_sparse(device, kv_dtype) else "gather"
     if name == "sdpa":
-        return SdpaBackend(device, kv_dtype)
+        return SdpaBackend(device, kv_dtype, calculate_kv_scales)
     if name == "gather":
-        return GatherBackend(device, kv_dtype)
+        return GatherBackend(device, kv_dtype, calculate_kv_scales)
     if name == "cpu_sparse":
         return CpuSparseBackend(device, kv_dtype)
     raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")

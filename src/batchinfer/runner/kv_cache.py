@@ -34,10 +34,16 @@ class KVCacheSpec(Protocol):
     def head_dim(self) -> int: ...
 
 
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """Element type of the cache: `auto` follows the model's dtype, else the named type."""
+    """Element type of the cache: `auto` follows the model's dtype, else the named type
+    (`fp8_e4m3` / `fp8_e5m2`: torch's float8 types, stored with a per-layer scale)."""
     check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    return model_dtype if kv_cache_dtype == "auto" else TORCH_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return FP8_KV_DTYPES.get(kv_cache_dtype) or TORCH_DTYPES[kv_cache_dtype]
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -41,7 +41,8 @@ class ModelRunner:
     `kv_dtype` is the cache element type (see `kv_cache.resolve_kv_dtype`); `eos_token_ids` are
     masked while a sequence is short of `min_tokens`; `seed` seeds unseeded random sampling;
     `attention_backend` names the attention backend (`auto`, `sdpa`, `gather`, `cpu_sparse`;
-    see `attention.py`).
+    see `attention.py`); `calculate_kv_scales` calibrates an FP8 cache's scales on the first
+    step.
     """
 
     def __init__(
@@ -56,13 +57,15 @@ class ModelRunner:
         seed: int,
         *,
         attention_backend: str = "auto",
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = torch.device(device)
         self.num_blocks = num_blocks
-        self.attention = select_attention_backend(self.device, kv_dtype, attention_backend)
+        self.attention = select_attention_backend(self.device, kv_dtype, attention_backend,
+                                                  calculate_kv_scales)
         self.attention.allocate_kv_cache(spec, num_blocks, block_size)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
 

@@ -129,6 +129,7 @@ def _make_runner(
         eos_token_ids=sorted(loaded.eos_token_ids),
         seed=config.seed,
         attention_backend=config.attention_backend,
+        calculate_kv_scales=config.calculate_kv_scales,
     )
 
 

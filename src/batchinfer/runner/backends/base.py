@@ -1,4 +1,5 @@
-"""What every attention backend here shares: the cache tensor it allocates, in its own layout."""
+"""What every attention backend here shares: the cache tensor it allocates, in its own layout,
+and how K/V are stored in it (as is, or as FP8 with a per-layer scale)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import torch
 from batchinfer.runner.input_batch import AttentionMetadata
 from batchinfer.runner.kv_cache import KVCacheSpec
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# `calculate_kv_scales` maps a layer's largest |K| (|V|) of the first step to this fraction of the
+# FP8 type's largest value: room for later tokens a little larger than the first ones.
+CALIBRATION_HEADROOM = 0.5
+
 
 class BackendBase:
     """Holds `kv_cache` (empty until `allocate_kv_cache`) and checks a step fits it.
@@ -14,15 +20,45 @@ class BackendBase:
     A subclass names its layout by `_cache_shape`; the tensor always holds
     `2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim` elements, so
     `kv_cache.bytes_per_block` sizes every backend's cache alike.
+
+    FP8 caches (`float8_e4m3fn`, `float8_e5m2`) store `K / k_scale` and `V / v_scale`, clamped
+    to the type's range, with one scale pair per layer: 1.0, or with `calculate_kv_scales` the
+    first step's largest |K| and |V| of that layer over `CALIBRATION_HEADROOM` times the type's
+    largest value. Subclasses write through `quantize`; reading needs no conversion pass:
+    `q . (K k_scale) = (q . K) k_scale` folds into the softmax scale and `V v_scale` into the
+    output (`attend_chunks`, `PagedRowsBackend.__call__`).
     """
 
     name = "base"
 
-    def __init__(self, device: torch.device, kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self, device: torch.device, kv_dtype: torch.dtype, calculate_kv_scales: bool = False
+    ) -> None:
         self.device = device
         self.kv_dtype = kv_dtype
         self.block_size = 0
         self.kv_cache = torch.empty(0, dtype=kv_dtype, device=device)
+        self.quantized = kv_dtype in FP8_DTYPES
+        self.calculate_kv_scales = calculate_kv_scales and self.quantized
+        # Per layer (k_scale, v_scale), as Python floats: multiplying by one costs no sync.
+        self.kv_scales: list[tuple[float, float]] = []
+        self._calibrated: list[bool] = []
+
+    def quantize(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`k`, `v` as stored in the cache (its dtype; FP8: divided by the layer's scales)."""
+        if not self.quantized:
+            return k.to(self.kv_dtype), v.to(self.kv_dtype)
+        if self.calculate_kv_scales and not self._calibrated[layer_idx]:
+            limit = torch.finfo(self.kv_dtype).max * CALIBRATION_HEADROOM
+            k_max, v_max = (float(x.abs().amax()) if x.numel() else 0.0 for x in (k, v))
+            self.kv_scales[layer_idx] = (max(k_max / limit, 1e-8), max(v_max / limit, 1e-8))
+            self._calibrated[layer_idx] = True
+        k_scale, v_scale = self.kv_scales[layer_idx]
+        top = torch.finfo(self.kv_dtype).max
+        return ((k / k_scale).clamp_(-top, top).to(self.kv_dtype),
+                (v / v_scale).clamp_(-top, top).to(self.kv_dtype))
 
     def _cache_shape(
         self, spec: KVCacheSpec, num_blocks: int, block_size: int
@@ -43,6 +79,8 @@ class BackendBase:
         shape = self._cache_shape(spec, num_blocks, block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.block_size = block_size
+        self.kv_scales = [(1.0, 1.0)] * spec.num_layers
+        self._calibrated = [False] * spec.num_layers
 
     def _check_step(self, metadata: AttentionMetadata) -> None:
         if self.kv_cache.numel() == 0:

@@ -35,7 +35,9 @@ class CpuSparseBackend(PagedRowsBackend):
 
     name = "cpu_sparse"
 
-    def __init__(self, device: torch.device, kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self, device: torch.device, kv_dtype: torch.dtype, calculate_kv_scales: bool = False
+    ) -> None:
         if not supports_cpu_sparse(device, kv_dtype):
             raise ValueError(
                 f"attention_backend cpu_sparse needs a CPU float32 KV cache, "

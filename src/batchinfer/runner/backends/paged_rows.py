@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from batchinfer.runner.backends.base import BackendBase
+from batchinfer.runner.backends.base import FP8_DTYPES, BackendBase
 from batchinfer.runner.backends.prefill import Chunk, attend_chunks, build_chunks
 from batchinfer.runner.input_batch import AttentionMetadata
 from batchinfer.runner.kv_cache import KVCacheSpec
@@ -103,8 +103,10 @@ class _Step:
 class PagedRowsBackend(BackendBase):
     """A backend on the block-rows layout; subclasses say how a decode group attends."""
 
-    def __init__(self, device: torch.device, kv_dtype: torch.dtype) -> None:
-        super().__init__(device, kv_dtype)
+    def __init__(
+        self, device: torch.device, kv_dtype: torch.dtype, calculate_kv_scales: bool = False
+    ) -> None:
+        super().__init__(device, kv_dtype, calculate_kv_scales)
         # Gathers land in one buffer reused across layers and steps: a fresh 10-100 MB tensor
         # per layer costs page faults, and after a step of many small tensors glibc serves it
         # from fresh mmaps.
@@ -180,19 +182,22 @@ class PagedRowsBackend(BackendBase):
             raise RuntimeError(f"{self.name}: called before build()")
         block_size, head_dim = self.block_size, self.kv_cache.shape[-1]
         cache_rows = self.kv_cache[layer_idx].view(-1, block_size, head_dim)
-        write_kv(cache_rows, step.write_index, k, v)
+        write_kv(cache_rows, step.write_index, *self.quantize(layer_idx, k, v))
         scale = q.shape[-1] ** -0.5
+        k_scale, v_scale = kv_scales = self.kv_scales[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group, decode in zip(step.groups, step.decodes, strict=True):
             span = slice(group.start, group.end)
-            out[span] = decode(q[span], cache_rows, scale, self.workspace)
+            # FP8: q . (K k_scale) = (q . K) k_scale, and the output is linear in V.
+            attended = decode(q[span], cache_rows, scale * k_scale, self.workspace)
+            out[span] = attended if v_scale == 1.0 else attended * v_scale
 
         def read_context(index: int) -> tuple[torch.Tensor, torch.Tensor]:
             keys, values = gather_blocks(cache_rows, step.chunk_rows[index], self.workspace)
             context_len = step.chunks[index].context_len
             return keys[0, :, :context_len], values[0, :, :context_len]
 
-        attend_chunks(out, q, k, v, step.chunks, read_context, scale)
+        attend_chunks(out, q, k, v, step.chunks, read_context, scale, kv_scales)
         return out
 
 
@@ -235,10 +240,14 @@ def kv_write_index(slots: torch.Tensor, block_size: int, num_kv_heads: int) -> t
 def write_kv(
     cache_rows: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store this step's K and V (`[num_tokens, kv_heads, d]` each) at their cache slots."""
+    """Store this step's K and V (`[num_tokens, kv_heads, d]` each, in the cache's dtype) at
+    their cache slots."""
     head_dim = cache_rows.shape[-1]
-    new = torch.cat((k, v), dim=1).to(cache_rows.dtype)  # [num_tokens, 2 * kv_heads, d]
-    cache_rows.view(-1, head_dim).index_copy_(0, write_index, new.view(-1, head_dim))
+    new = torch.cat((k, v), dim=1)  # [num_tokens, 2 * kv_heads, d]
+    rows = cache_rows.view(-1, head_dim)
+    if new.dtype in FP8_DTYPES:  # index_copy_ has no FP8 kernel on CPU: copy the bytes
+        rows, new = rows.view(torch.uint8), new.view(torch.uint8)
+    rows.index_copy_(0, write_index, new.view(-1, head_dim))
 
 
 def context_rows(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -64,21 +64,27 @@ def attend_chunks(
     chunks: list[Chunk],
     read_context: ContextReader,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Write each chunk's attention into its rows of `out` (`[num_tokens, heads, d]`).
 
     `q`, `k`, `v` are the whole step's; `read_context(i)` reads chunk `i`'s cached context in
-    the backend's layout, and is called only for chunks that are not first chunks.
+    the backend's layout, and is called only for chunks that are not first chunks. A cached
+    context stored as `K / k_scale`, `V / v_scale` (FP8, `kv_scales`) is attended with the
+    softmax scale times `k_scale` and its output times `v_scale`.
     """
+    k_scale, v_scale = kv_scales
     for index, chunk in enumerate(chunks):
         span = slice(chunk.start, chunk.end)
         if chunk.is_first:
             keys, values = k[span].transpose(0, 1), v[span].transpose(0, 1)
-        else:
-            keys, values = read_context(index)
-        out[span] = chunk_attention(
-            q[span], keys.to(q.dtype), values.to(q.dtype), chunk.mask, scale
-        )
+            out[span] = chunk_attention(q[span], keys.to(q.dtype), values.to(q.dtype),
+                                        chunk.mask, scale)
+            continue
+        keys, values = read_context(index)
+        attended = chunk_attention(q[span], keys.to(q.dtype), values.to(q.dtype), chunk.mask,
+                                   scale * k_scale)
+        out[span] = attended if v_scale == 1.0 else attended * v_scale
 
 
 def chunk_attention(

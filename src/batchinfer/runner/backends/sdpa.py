@@ -23,8 +23,10 @@ class SdpaBackend(BackendBase):
 
     name = "sdpa"
 
-    def __init__(self, device: torch.device, kv_dtype: torch.dtype) -> None:
-        super().__init__(device, kv_dtype)
+    def __init__(
+        self, device: torch.device, kv_dtype: torch.dtype, calculate_kv_scales: bool = False
+    ) -> None:
+        super().__init__(device, kv_dtype, calculate_kv_scales)
         self._step: tuple[torch.Tensor, list[Chunk]] | None = None  # slot mapping, chunks
 
     def _cache_shape(
@@ -46,8 +48,9 @@ class SdpaBackend(BackendBase):
         slots, chunks = self._step
         key_cache, value_cache = self.kv_cache[layer_idx]  # [num_blocks, bs, kv_heads, d] each
         num_kv_heads, head_dim = key_cache.shape[-2:]
-        key_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(self.kv_dtype)
-        value_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(self.kv_dtype)
+        k_stored, v_stored = self.quantize(layer_idx, k, v)
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = k_stored
+        value_cache.view(-1, num_kv_heads, head_dim)[slots] = v_stored
 
         def read_context(index: int) -> tuple[torch.Tensor, torch.Tensor]:
             block_ids, context_len = chunks[index].block_ids, chunks[index].context_len
@@ -56,5 +59,6 @@ class SdpaBackend(BackendBase):
             return keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, context_len, d]
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        attend_chunks(out, q, k, v, chunks, read_context, q.shape[-1] ** -0.5)
+        attend_chunks(out, q, k, v, chunks, read_context, q.shape[-1] ** -0.5,
+                      self.kv_scales[layer_idx])
         return out
