@@ -8,7 +8,13 @@ import random
 
 import pytest
 
-from batchinfer.core import EngineConfig, Request, SamplingParams
+from batchinfer.core import (
+    EngineConfig,
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from batchinfer.core.block_manager import BlockManager, block_keys
 from batchinfer.core.scheduler import Scheduler
 from tests.fake_runner import FakeRunner, reference_tokens
@@ -180,3 +186,17 @@ def test_scheduler_without_prefix_caching_shares_nothing():
             out = sched.schedule()
             sched.update_from_output(out, runner.execute(out))
     assert sched.block_manager.num_cached_blocks == 0 and sched.prefix_cache_hits == 0
+
+
+def test_blocks_of_a_failed_sequence_never_enter_the_cache():
+    config = EngineConfig(block_size=4)
+    sched = Scheduler(config, num_blocks=50, max_model_len=256)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=2), arrival_s=0.0))
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=[None]), failed={"a"})
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED, error="boom")
+    assert sched.block_manager.num_cached_blocks == 0
+    sched.add_request(Request("b", prompt, SamplingParams(max_tokens=2), arrival_s=0.0))
+    (seq,) = sched.schedule().sequences
+    assert seq.num_computed_tokens == 0 and sched.prefix_cache_hits == 0

@@ -427,3 +427,25 @@ def test_long_burst_with_an_interactive_stream_never_stalls_or_thrashes(seed):
     assert len(h.final) == 40 and all(o.error is None for o in h.final.values())
     for name in h.final:
         h.assert_exact(name)
+
+
+def test_no_priority_preemption_for_a_request_that_would_not_fit_anyway():
+    """Preempting the batch request would free 10 blocks, but the interactive prompt's 20 on
+    top of what stays committed would still pass the watermark: nobody is preempted."""
+    h = Harness(num_blocks=100, scheduling_policy="priority", priority_aging_ms=0,
+                kv_admission_watermark=0.95, max_num_batched_tokens=32)
+    big = h.add(request("big", 316, 40))  # interactive, 79 blocks
+    while big.num_computed_tokens < 316:
+        h.step()
+    bg = h.add(request("bg", 36, 40, tier="batch"))  # 9 blocks, then grows
+    while bg.num_computed_tokens < 36:
+        h.step()
+    # 20 blocks: 80 + 10 + 20 > 95, though its first chunk (8 blocks) would fit once bg left
+    h.add(request("chat", 80, 4))
+    for _ in range(3):
+        h.step()
+    assert h.sched.preemptions_by_reason["priority"] == 0
+    assert "chat" not in h.first_scheduled
+    h.run()
+    for name in ("big", "bg", "chat"):
+        h.assert_exact(name)

@@ -19,26 +19,37 @@ exactly one block, and that block carries the key.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, the block's tokens)
-ROOT_PARENT = 0  # the parent hash of a request's first block
+# (digest of the parent block's key, the block's tokens). The digest is a 128-bit BLAKE2b of the
+# parent's own key, so a chain of keys stands for the whole prefix and a crafted collision with
+# another prompt's prefix is out of reach (Python's `hash` is 64-bit and not collision-resistant).
+BlockKey = tuple[bytes, tuple[int, ...]]
+ROOT_PARENT = b""  # the parent digest of a request's first block
+
+
+def key_digest(key: BlockKey) -> bytes:
+    """The digest a block's key passes on to the next block's key."""
+    parent, tokens = key
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_PARENT,
+def block_keys(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_PARENT,
                start_block: int = 0) -> list[BlockKey]:
     """The chained keys of the full blocks of `token_ids` from `start_block` on (`parent`: the
-    hash of the key of the block before it)."""
-    keys = []
+    digest of the key of the block before it)."""
+    keys: list[BlockKey] = []
     for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
         key = (parent, tuple(token_ids[start : start + block_size]))
         keys.append(key)
-        parent = hash(key)
+        parent = key_digest(key)
     return keys
 
 
@@ -106,6 +117,14 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def num_freed_by(self, request_ids: Sequence[str]) -> int:
+        """Blocks that freeing all these requests would return (those no one else holds)."""
+        holders: dict[int, int] = {}
+        for request_id in request_ids:
+            for block_id in self._tables.get(request_id, ()):
+                holders[block_id] = holders.get(block_id, 0) + 1
+        return sum(1 for b, n in holders.items() if n == self._ref_counts[b])
+
     def num_free_after_sharing(self, cached: Sequence[int]) -> int:
         """Free blocks left once the `cached` blocks are shared (those that are free leave the
         free pool)."""
@@ -135,7 +154,7 @@ class BlockManager:
         if num_full <= len(keys):
             return
         table = self._tables[request_id]
-        parent = hash(keys[-1]) if keys else ROOT_PARENT
+        parent = key_digest(keys[-1]) if keys else ROOT_PARENT
         start = len(keys)
         new_keys = block_keys(token_ids[: num_full * self.block_size], self.block_size, parent,
                               start)

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-from batchinfer.core.block_manager import ROOT_PARENT, BlockKey, BlockManager, block_keys, cdiv
+from batchinfer.core.block_manager import BlockKey, BlockManager, block_keys, cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import (
     QUEUE_TIMEOUT,
@@ -78,6 +78,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._lookup_keys: dict[str, list[BlockKey]] = {}
+        self._prompt_keys: dict[str, list[BlockKey]] = {}  # of running prefills
         self.by_priority = config.scheduling_policy == "priority"
         self.aging_s = config.priority_aging_ms / 1000.0
         self.waiting: WaitingQueue = (
@@ -228,11 +229,15 @@ class Scheduler:
         return output
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        failed: Collection[str] = (),
     ) -> list[EngineCoreOutput]:
         """Record computed tokens and sampled ones; finish requests that hit a stop condition.
-        Returns one output per sequence that gained a token (a sequence the runner failed has
-        `None` for its token and is left to the caller)."""
+        Returns one output per sequence that gained a token. A sequence the runner failed
+        (`failed`: its id; its token is `None`) is left to the caller, and its blocks never
+        enter the prefix cache: their KV may not have been written."""
         now = self.clock()
         bm = self.block_manager
         caching, size = bm.enable_prefix_caching, bm.block_size
@@ -245,6 +250,8 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if seq.request_id in failed:
+                continue
             before = request.num_computed_tokens
             request.num_computed_tokens += seq.num_tokens
             if caching and request.num_computed_tokens // size > before // size:
@@ -450,13 +457,14 @@ class Scheduler:
             num_new = min(request.num_tokens - start, budget)
             take = cdiv(start + num_new, bm.block_size) - len(cached) + reused
             while not self._admissible(take, committed + whole):
-                refund = self._preempt_for(request, take, output)
+                refund = self._preempt_for(request, take, committed, whole, output)
                 if refund is None:
                     return budget  # in order: nothing behind it jumps a request that waits
                 budget += refund
                 committed = self._committed_blocks()
                 cached = self._cached_prefix(request)  # a victim's blocks may have left
                 reused = bm.num_free_blocks - bm.num_free_after_sharing(cached)
+                whole = cdiv(request.num_tokens, bm.block_size) - len(cached) + reused
                 start = len(cached) * bm.block_size
                 num_new = min(request.num_tokens - start, budget)
                 take = cdiv(start + num_new, bm.block_size) - len(cached) + reused
@@ -474,8 +482,8 @@ class Scheduler:
             budget -= num_new
             committed += whole
             if bm.enable_prefix_caching and request.num_prompt_tokens > bm.block_size:
-                key = (ROOT_PARENT, tuple(request.prompt_token_ids[: bm.block_size]))
-                prefilling.setdefault(key, []).append(request)  # its copies wait for it
+                keys = self._prompt_keys_of(request)
+                prefilling.setdefault(keys[0], []).append(request)  # its copies wait for it
         return budget
 
     # ----------------------------------------------------------------- prefix cache
@@ -492,6 +500,14 @@ class Scheduler:
             self._lookup_keys[request.request_id] = keys
         return bm.cached_blocks(keys)
 
+    def _prompt_keys_of(self, request: Request) -> list[BlockKey]:
+        """The block keys of a running request's prompt (computed once)."""
+        keys = self._prompt_keys.get(request.request_id)
+        if keys is None:
+            keys = block_keys(request.prompt_token_ids, self.block_manager.block_size)
+            self._prompt_keys[request.request_id] = keys
+        return keys
+
     def _prefilling_by_first_block(self) -> dict[BlockKey, list[Request]]:
         """Running requests whose prompt prefill is under way, by their first block's key."""
         if not self.block_manager.enable_prefix_caching:
@@ -500,8 +516,7 @@ class Scheduler:
         out: dict[BlockKey, list[Request]] = {}
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens and r.num_prompt_tokens > size:
-                key = (ROOT_PARENT, tuple(r.prompt_token_ids[:size]))
-                out.setdefault(key, []).append(r)
+                out.setdefault(self._prompt_keys_of(r)[0], []).append(r)
         return out
 
     def _shares_a_running_prefill(
@@ -516,8 +531,7 @@ class Scheduler:
         size = self.block_manager.block_size
         for other in prefilling.get(keys[0], ()):
             shared = 0
-            other_keys = block_keys(other.prompt_token_ids, size)
-            for mine, theirs in zip(keys, other_keys, strict=False):
+            for mine, theirs in zip(keys, self._prompt_keys_of(other), strict=False):
                 if mine != theirs:
                     break
                 shared += 1
@@ -543,22 +557,24 @@ class Scheduler:
         return bm.num_used_blocks + needed <= limit
 
     def _preempt_for(
-        self, request: Request, needed: int, output: SchedulerOutput
+        self, request: Request, take: int, committed: int, whole: int, output: SchedulerOutput
     ) -> int | None:
         """priority: preempt one running request that yields to the waiting `request`
-        (`_yields_to`), if preempting all of them would make room. Returns the budget it
-        gives back (its tokens scheduled in this step), or None when nothing is preempted."""
+        (`_yields_to`), if preempting all of them would make room by `_admissible`'s rules
+        (`take` blocks now; `whole` on top of the `committed` ones under the watermark).
+        Returns the budget it gives back (its tokens scheduled in this step), or None when
+        nothing is preempted."""
         if not self.by_priority:
             return None
         lower = [r for r in self.running if self._yields_to(r, request)]
         if not lower:
             return None
         bm = self.block_manager
-        freed = sum(len(bm.block_table(r.request_id)) for r in lower)
-        used_after = bm.num_used_blocks - freed
-        if needed > bm.num_free_blocks + freed or (
-            len(lower) < len(self.running)
-            and used_after + needed > self.config.kv_admission_watermark * bm.num_blocks
+        freed = bm.num_freed_by([r.request_id for r in lower])  # blocks only they hold
+        pending = sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in lower)
+        limit = self.config.kv_admission_watermark * bm.num_blocks
+        if take > bm.num_free_blocks + freed or (
+            len(lower) < len(self.running) and committed - freed - pending + whole > limit
         ):
             return None  # it would not fit even then: preempt nobody for nothing
         victim = max(lower, key=self._victim_key)
@@ -700,6 +716,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request.request_id)
         self._lookup_keys.pop(request.request_id, None)
+        self._prompt_keys.pop(request.request_id, None)
         self._left_ids.append(request.request_id)
         request.status = status
         request.metrics.finished_s = self.clock()

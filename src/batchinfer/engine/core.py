@@ -125,7 +125,8 @@ class EngineCore:
         if scheduler_output.is_empty:
             return ended
         runner_output, failed = self._execute(scheduler_output)
-        outputs = ended + self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = ended + self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                            failed)
         for request_id, message in failed.items():
             output = self.scheduler.finish_request(
                 request_id, RequestStatus.FINISHED_ABORTED, error=message, error_code=ENGINE_ERROR
