@@ -449,3 +449,19 @@ def test_no_priority_preemption_for_a_request_that_would_not_fit_anyway():
     h.run()
     for name in ("big", "bg", "chat"):
         h.assert_exact(name)
+
+
+@pytest.mark.parametrize("queue_kind", ["fcfs", "priority"])
+def test_waiting_queues_keep_their_order_when_many_leave_at_once(queue_kind):
+    from batchinfer.core.policy import FCFSQueue, PriorityQueue
+
+    queue = FCFSQueue() if queue_kind == "fcfs" else PriorityQueue(aging_s=1.0)
+    requests = [request(f"q{i}", 4, 1, priority=i % 3) for i in range(12)]
+    for i, r in enumerate(requests):
+        r.arrival_s = float(i)
+        queue.add(r)
+    before = list(queue)
+    queue.remove_all(before[1::3])
+    assert list(queue) == [r for r in before if r not in before[1::3]]
+    with pytest.raises(ValueError, match="not waiting"):
+        queue.remove_all([before[1]])

@@ -38,6 +38,17 @@ class _Queue:
                 return
         raise ValueError(f"request {request.request_id!r} is not waiting")
 
+    def remove_all(self, requests: list[Request]) -> None:
+        """Remove several waiting requests in one pass over the queue."""
+        if not requests:
+            return
+        gone = {id(r) for r in requests}
+        kept = [r for r in self._items if id(r) not in gone]
+        if len(kept) != len(self._items) - len(gone):
+            raise ValueError("a request to remove is not waiting")
+        self._items.clear()
+        self._items.extend(kept)
+
     def first(self) -> Request:
         return self._items[0]
 
