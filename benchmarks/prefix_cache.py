@@ -16,6 +16,7 @@ caching than without.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -46,7 +47,7 @@ def run_one(args: argparse.Namespace, name: str, round_index: int) -> dict[str, 
     sweep = SweepConfig(bench=bench, result_dir=str(result_dir), batching=("continuous",))
     log_path = result_dir / f"{name}-round{round_index}.server.log"
     with running_server(server, sweep, log_path) as base_url:
-        result = bench_serve(BenchConfig(**{**bench.__dict__, "base_url": base_url}))
+        result = bench_serve(dataclasses.replace(bench, base_url=base_url))
     m = result.metrics
     deltas = result.server.deltas if result.server else {}
     queries = deltas.get("prefix_cache_queries") or 0.0

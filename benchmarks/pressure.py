@@ -22,6 +22,7 @@ starved or failed), and the preemption rate of both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import re
@@ -68,7 +69,7 @@ def run_one(args: argparse.Namespace, name: str, round_index: int) -> dict[str, 
     sweep = SweepConfig(bench=bench, result_dir=str(result_dir), batching=("continuous",))
     log_path = result_dir / f"{name}-round{round_index}.server.log"
     with running_server(server, sweep, log_path) as base_url:
-        result = bench_serve(BenchConfig(**{**bench.__dict__, "base_url": base_url}))
+        result = bench_serve(dataclasses.replace(bench, base_url=base_url))
     match = re.search(r"KV cache: (\d+) blocks of (\d+) tokens \((\d+) tokens",
                       log_path.read_text(errors="replace"))
     server_view = result.server

@@ -16,7 +16,7 @@ import pytest
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.server.app import ServerConfig, build_app
-from tests.test_server import ENGINE, metric, run_server
+from tests.test_server import ENGINE, metric, run_server, slow_steps
 from tests.tiny_models import make_tiny_llama
 
 API_KEY = "hardening-key"
@@ -267,14 +267,7 @@ def small(tmp_path_factory) -> Iterator[str]:
         ServerConfig(max_num_queued_requests=2),
     )
     with run_server(app) as url:
-        runner = app.state.server.llm.engine.core.runner
-        execute = runner.execute
-
-        def slowed(scheduler_output):
-            time.sleep(SLOW_STEP_S)
-            return execute(scheduler_output)
-
-        runner.execute = slowed
+        slow_steps(app, SLOW_STEP_S)
         yield url
 
 

@@ -15,22 +15,11 @@ import pytest
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.server.app import ServerConfig, build_app
-from tests.test_server import metric, run_server
+from tests.test_server import metric, run_server, slow_steps
 from tests.tiny_models import make_tiny_llama
 
 STEP_S = 0.03  # added to every engine step, so waiting is long enough to observe
 LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True}
-
-
-def _slow(app) -> None:
-    runner = app.state.server.llm.engine.core.runner
-    execute = runner.execute
-
-    def slowed(scheduler_output):
-        time.sleep(STEP_S)
-        return execute(scheduler_output)
-
-    runner.execute = slowed
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +29,7 @@ def server(tmp_path_factory) -> Iterator[str]:
         model=str(model_dir), dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1,
         scheduling_policy="priority", max_queue_time_ms=60_000), ServerConfig())
     with run_server(app) as url:
-        _slow(app)
+        slow_steps(app, STEP_S)
         yield url
 
 
@@ -85,7 +74,7 @@ def test_max_queue_time_is_the_default_and_timeout_overrides_it(tmp_path):
         model=str(model_dir), dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=1,
         max_queue_time_ms=200), ServerConfig())
     with run_server(app) as url, ThreadPoolExecutor(3) as pool:
-        _slow(app)
+        slow_steps(app, STEP_S)
         long = pool.submit(post, url, LONG)
         busy(url)
         default = pool.submit(post, url, {"prompt": "a", "max_tokens": 2})
@@ -190,7 +179,7 @@ def test_a_stream_preempted_past_its_queue_time_ends_with_an_error_event(tmp_pat
             return [line for line in response.iter_lines() if line]
 
     with run_server(app) as url, ThreadPoolExecutor(2) as pool:
-        _slow(app)
+        slow_steps(app, STEP_S)
         block_manager = app.state.server.llm.engine.core.scheduler.block_manager
         assert block_manager.num_blocks == 10  # 160 tokens: two requests of 124 do not fit
         first = pool.submit(stream, {})

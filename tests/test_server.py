@@ -102,6 +102,18 @@ def client(base_url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
+def slow_steps(app, step_s: float) -> None:
+    """Make every engine step of a served app take `step_s` longer (so waiting is visible)."""
+    runner = app.state.server.llm.engine.core.runner
+    execute = runner.execute
+
+    def slowed(scheduler_output):
+        time.sleep(step_s)
+        return execute(scheduler_output)
+
+    runner.execute = slowed
+
+
 def metric(base_url: str, name: str) -> float:
     text = httpx.get(f"{base_url}/metrics").text
     for line in text.splitlines():

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     elif not args.embedding_model:
         raise ValueError("--model none serves nothing; add --embedding-model NAME")
     if args.print_config:
-        resolved = engine_config.resolved() if engine_config is not None else {}
+        resolved = dataclasses.asdict(engine_config) if engine_config is not None else {}
         print(json.dumps(resolved, indent=2))
         return 0
 

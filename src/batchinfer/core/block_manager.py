@@ -125,10 +125,10 @@ class BlockManager:
                 holders[block_id] = holders.get(block_id, 0) + 1
         return sum(1 for b, n in holders.items() if n == self._ref_counts[b])
 
-    def num_free_after_sharing(self, cached: Sequence[int]) -> int:
-        """Free blocks left once the `cached` blocks are shared (those that are free leave the
-        free pool)."""
-        return len(self._free) - sum(1 for b in cached if self._ref_counts[b] == 0)
+    def num_idle(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` nobody holds (cached in the free pool: sharing them takes them
+        out of it)."""
+        return sum(1 for b in blocks if self._ref_counts[b] == 0)
 
     def share(self, request_id: str, cached: Sequence[int]) -> None:
         """Start a request's (empty) table with the `cached` blocks of its prefix."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchinfer.core.validation import (
+    check_bool,
     check_choice,
     check_fraction,
     check_int,
@@ -149,20 +150,12 @@ class EngineConfig:
         check_int("seed", self.seed, low=0)
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads)
-        if not isinstance(self.special_tokens_in_chat, bool):
-            raise ValueError("special_tokens_in_chat must be true or false, "
-                             f"got {self.special_tokens_in_chat!r}")
-        if not isinstance(self.calculate_kv_scales, bool):
-            raise ValueError("calculate_kv_scales must be true or false, "
-                             f"got {self.calculate_kv_scales!r}")
+        for name in ("special_tokens_in_chat", "calculate_kv_scales", "enable_prefix_caching",
+                     "prepack_weights", "elastic_max_tokens"):
+            check_bool(name, getattr(self, name))
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "
                              f"got {self.kv_cache_dtype!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError("enable_prefix_caching must be true or false, "
-                             f"got {self.enable_prefix_caching!r}")
-        if not isinstance(self.prepack_weights, bool):
-            raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         check_fraction("kv_admission_watermark", self.kv_admission_watermark)
         check_non_negative("max_batch_delay_ms", self.max_batch_delay_ms)
@@ -173,9 +166,6 @@ class EngineConfig:
             check_fraction("kv_soft_watermark", self.kv_soft_watermark)
         check_int("short_request_tokens", self.short_request_tokens)
         check_int("elastic_min_tokens", self.elastic_min_tokens)
-        if not isinstance(self.elastic_max_tokens, bool):
-            raise ValueError("elastic_max_tokens must be true or false, "
-                             f"got {self.elastic_max_tokens!r}")
         if self.elastic_max_tokens and self.kv_soft_watermark is None:
             raise ValueError("elastic_max_tokens needs kv_soft_watermark (the pressure level "
                              "it acts above)")
@@ -208,10 +198,6 @@ class EngineConfig:
             max_num_batched_tokens=max(1, min(self.max_num_batched_tokens,
                                               num_blocks * self.block_size)),
         )
-
-    def resolved(self) -> dict[str, Any]:
-        """Every knob with its value, as `--print-config` shows it."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def parse_bytes(name: str, text: str) -> int:

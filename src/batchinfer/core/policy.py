@@ -2,7 +2,7 @@
 
 - `fcfs`: arrival order; a preempted request goes back to the front (it resumes first).
 - `priority`: by effective priority, then arrival. A waiting request's effective priority is
-  `priority - waited / aging` (continuous aging: one level per `priority_aging_ms`), so a batch
+  `priority - (now - arrival) / aging` (continuous aging: one level per `priority_aging_ms`), so a batch
   request (priority 10) ranks with an interactive one (priority 0) that arrives 10 intervals
   after it, and ahead of every later one: nothing starves. Because every waiting request ages at
   the same rate, the order is fixed at insertion: the key `priority + arrival / aging` sorts the

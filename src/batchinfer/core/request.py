@@ -164,7 +164,7 @@ class Request:
         self.queue_timeout_s = options.timeout_s
         self.elastic = not options.max_tokens_fixed
 
-    def queue_time_s(self, now: float) -> float:
+    def time_waiting_s(self, now: float) -> float:
         """Time spent waiting so far, in all (while waiting: including the current wait)."""
         if self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return self.waited_s + (now - self.wait_start_s)

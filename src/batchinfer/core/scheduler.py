@@ -99,6 +99,7 @@ class Scheduler:
         self._recent_preemptions: deque[int] = deque(maxlen=PREEMPTION_WINDOW_STEPS)
         self._step_preemptions = 0
         self._left_ids: list[str] = []
+        self._num_with_timeout = 0  # requests with their own queue time limit
         # Outputs of requests the scheduler itself ended (queue timeouts), for the next step's.
         self._ended: list[EngineCoreOutput] = []
 
@@ -124,6 +125,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.wait_start_s = self.clock()
         self.requests[request.request_id] = request
+        self._num_with_timeout += request.queue_timeout_s is not None
         self.waiting.add(request)
 
     def _check_block_cap(self, request: Request) -> None:
@@ -188,7 +190,7 @@ class Scheduler:
     def next_dispatch_s(self) -> float | None:
         """When something changes for a caller with nothing to run: a waiting batch becomes
         due (dynamic form) or a waiting request's queue time runs out."""
-        times = [self._deadline_s(r) for r in self.waiting]
+        times = [self._deadline_s(r) for r in self.waiting] if self._has_deadlines() else []
         if self.config.batching == "dynamic" and not self.running and self.waiting:
             times.append(self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000)
         due = [t for t in times if t is not None]
@@ -354,6 +356,9 @@ class Scheduler:
     def _work_left(self, request: Request) -> int:
         return self._output_limit(request) - request.num_output_tokens
 
+    def _has_deadlines(self) -> bool:
+        return self.config.max_queue_time_ms is not None or self._num_with_timeout > 0
+
     def _deadline_s(self, request: Request) -> float | None:
         """When a waiting request's queue time runs out (None: no limit)."""
         limit_s = request.queue_timeout_s
@@ -365,10 +370,12 @@ class Scheduler:
 
     def _expire_waiting(self, now: float) -> None:
         """Requests whose queue time ran out leave with a queue_timeout error."""
+        if not self._has_deadlines():
+            return  # the common case: no scan of the queue every step
         expired = [r for r in self.waiting if (d := self._deadline_s(r)) is not None and now >= d]
         self.waiting.remove_all(expired)  # one pass: under overload thousands leave at once
         for request in expired:
-            request.waited_s = waited = request.queue_time_s(now)
+            request.waited_s = waited = request.time_waiting_s(now)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self._ended.append(self._output(
                 request, [], [],
@@ -448,7 +455,7 @@ class Scheduler:
             if self._shares_a_running_prefill(request, cached, prefilling):
                 continue  # it waits for that prefill, then takes its blocks from the cache
             # Blocks it adds to those in use: new ones + cached ones that nobody holds now.
-            reused = bm.num_free_blocks - bm.num_free_after_sharing(cached)
+            reused = bm.num_idle(cached)
             whole = cdiv(request.num_tokens, bm.block_size) - len(cached) + reused
             if (soft is not None and self.running and committed + whole > soft * bm.num_blocks
                     and not self._soft_exempt(request, now)):
@@ -463,7 +470,7 @@ class Scheduler:
                 budget += refund
                 committed = self._committed_blocks()
                 cached = self._cached_prefix(request)  # a victim's blocks may have left
-                reused = bm.num_free_blocks - bm.num_free_after_sharing(cached)
+                reused = bm.num_idle(cached)
                 whole = cdiv(request.num_tokens, bm.block_size) - len(cached) + reused
                 start = len(cached) * bm.block_size
                 num_new = min(request.num_tokens - start, budget)
@@ -721,3 +728,4 @@ class Scheduler:
         request.status = status
         request.metrics.finished_s = self.clock()
         del self.requests[request.request_id]
+        self._num_with_timeout -= request.queue_timeout_s is not None

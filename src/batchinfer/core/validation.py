@@ -17,6 +17,13 @@ def check_int(name: str, value: object, low: int = 1) -> int:
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is True or False (not 1, not "yes"); else `ValueError`."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def check_non_negative(name: str, value: object) -> float:
     """`value` if it is a number >= 0 (NaN is not); else `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
