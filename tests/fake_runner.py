@@ -2,7 +2,9 @@
 
 Tokens are written into slots through each sequence's block table and read back through it, so
 a scheduler that hands out a wrong or freed block produces different tokens, not just a failed
-bookkeeping check. The "model" is a hash of the whole context read from the cache.
+bookkeeping check. The "model" is a hash of the whole context read from the cache. Swapped
+blocks are copied to a simulated host pool and back, so a swap-in from the wrong host block, or
+into the wrong device block, changes tokens too.
 """
 
 from __future__ import annotations
@@ -23,10 +25,24 @@ class FakeRunner:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.slots: dict[int, int] = {}
+        self.host: dict[int, list[int | None]] = {}  # host block -> its slots' tokens
         self.num_steps = 0
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def swap_blocks(
+        self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
+    ) -> None:
+        size = self.block_size
+        for device, host in swap_out:
+            self.host[host] = [self.slots.get(device * size + i) for i in range(size)]
+        for host, device in swap_in:
+            for i, token in enumerate(self.host.pop(host)):
+                if token is None:
+                    self.slots.pop(device * size + i, None)
+                else:
+                    self.slots[device * size + i] = token
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1

@@ -194,3 +194,29 @@ def test_fp8_cache_attends_exactly_over_its_stored_values(backend: str, kv_dtype
     # The documented tolerance: the type's rounding (2^-4 for e4m3, 2^-3 for e5m2) of the
     # largest |V|, with a little room for the rounding of K moving the weights.
     assert 0 < worst < (0.08 if kv_dtype == torch.float8_e4m3fn else 0.16)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("backend", ["sdpa", "gather"])
+def test_swap_out_and_in_moves_whole_blocks_bit_for_bit(backend: str, kv_dtype: torch.dtype):
+    """Blocks copied to host blocks and back into other device blocks hold the same bytes in
+    every layer, K and V; blocks not named are untouched."""
+    spec = Spec(3, 2, 16)
+    attention = select_attention_backend(CPU, kv_dtype, backend)
+    attention.allocate_kv_cache(spec, 8, 4)
+    attention.allocate_swap_space(5)
+    raw = attention.kv_cache.view(torch.uint8) if kv_dtype.itemsize == 1 else attention.kv_cache
+    raw.copy_(torch.randn(raw.shape).to(raw.dtype) if kv_dtype.itemsize > 1
+              else torch.randint(0, 120, raw.shape, dtype=torch.uint8))
+    dim = attention.block_dim
+    before = attention.kv_cache.clone()
+    attention.swap_out([(1, 4), (6, 0)])
+    attention.swap_in([(4, 2), (0, 3)])  # device block 1 -> 2, 6 -> 3, through the host
+    after = attention.kv_cache
+    for source, target in [(1, 2), (6, 3)]:
+        assert torch.equal(after.select(dim, target).view(torch.uint8),
+                           before.select(dim, source).view(torch.uint8))
+    for untouched in (0, 1, 4, 5, 6, 7):
+        assert torch.equal(after.select(dim, untouched).view(torch.uint8),
+                           before.select(dim, untouched).view(torch.uint8))
+    assert attention.swap_space.shape[dim] == 5 and attention.swap_space.device.type == "cpu"

@@ -231,6 +231,40 @@ def test_prefix_caching_gives_the_same_tokens_shared_preempted_and_n(llama_dir, 
     assert on.engine.core.scheduler.prefix_cache_hits == 2 * ((len(prompts[0]) - 1) // 16 * 16)
 
 
+@pytest.mark.parametrize("knobs", [
+    {"preemption_mode": "swap"},
+    {"preemption_mode": "swap", "attention_backend": "sdpa", "max_swap_blocks_per_step": 1},
+    {"preemption_mode": "auto"},
+])
+def test_swap_preemption_gives_exactly_the_tokens_of_an_unpreempted_run(llama_dir, llm, knobs):
+    """The real runner: requests swapped out to host memory and back (whole, or their leading
+    blocks within a cap of 1 per step and the rest recomputed) produce the tokens they produce
+    when never preempted. `auto` measures its costs at start-up."""
+    prompts = random_prompts(31, llm.engine.processor.vocab_size, seed=2)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    tight = LLM(str(llama_dir), dtype="float32", kv_cache_memory=small_cache_bytes(llm, 12),
+                swap_space=8 << 20, **knobs)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, GREEDY, use_tqdm=False)]
+    scheduler = tight.engine.core.scheduler
+    assert got == want
+    assert scheduler.swapped_out_blocks == scheduler.swapped_in_blocks
+    assert scheduler.swap_pool.num_free == scheduler.swap_pool.num_blocks
+    stats = tight.engine.core.stats()
+    if knobs["preemption_mode"] == "swap":
+        assert scheduler.preemptions_by_mode["swap"] > 0 and stats.swap_time_s > 0
+    if "max_swap_blocks_per_step" in knobs:
+        assert scheduler.recomputed_tokens > 0  # past the cap
+    if knobs["preemption_mode"] == "auto":
+        costs = tight.engine.worker.preemption_costs
+        assert costs is not None and costs.prefill_s_per_token > 0 and costs.swap_s_per_block > 0
+        assert scheduler.num_preemptions_total > 0
+
+
+def test_swap_space_too_small_for_a_block_names_the_knob(llama_dir):
+    with pytest.raises(ValueError, match="swap_space"):
+        LLM(str(llama_dir), dtype="float32", preemption_mode="swap", swap_space=1024)
+
+
 def test_fp8_kv_cache_holds_four_times_the_tokens_and_serves(llama_dir):
     """Same `kv_cache_memory`: an FP8 cache holds 4x the tokens of a float32 one; generation
     runs on it (every backend that takes FP8), and `calculate_kv_scales` sets per-layer scales

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from batchinfer.core import EngineConfig, SamplingParams, SchedulerOutput
+from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from batchinfer.engine.core import EngineStepError
 from batchinfer.engine.llm_engine import LLMEngine
@@ -45,6 +46,8 @@ class FakeWorker:
     vocab_size: int = VOCAB
     eos_token_ids: frozenset[int] = frozenset({VOCAB - 1})
     model_name: str = "fake"
+    num_swap_blocks: int = 0
+    preemption_costs: PreemptionCosts | None = None
 
 
 class RecordingRunner(FakeRunner):

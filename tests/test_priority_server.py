@@ -193,3 +193,41 @@ def test_a_stream_preempted_past_its_queue_time_ends_with_an_error_event(tmp_pat
     error = json.loads(second_lines[-2][6:])["error"]
     assert error["code"] == "queue_timeout"
     assert any('"text"' in line for line in second_lines[:-2])  # it had streamed tokens
+
+
+def test_swap_preemption_over_http_resumes_streams_exactly_and_is_counted(tmp_path):
+    """`--preemption-mode swap`: of two greedy streams that cannot both fit, the later one is
+    swapped out to host memory and back; both stream the text one request alone gets, and
+    /metrics counts the preemption by mode and the blocks moved each way."""
+    model_dir = make_tiny_llama(tmp_path)
+    app = build_app(EngineConfig.from_kwargs(
+        model=str(model_dir), dtype="float32", kv_cache_memory=512 * 160, max_num_seqs=2,
+        kv_admission_watermark=1.0, block_size=16, preemption_mode="swap",
+        swap_space=512 * 160), ServerConfig())
+    body = {"model": "default", "prompt": [5, 6, 7, 8], "max_tokens": 120, "ignore_eos": True,
+            "temperature": 0}
+
+    def stream() -> str:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+
+    with run_server(app) as url, ThreadPoolExecutor(2) as pool:
+        slow_steps(app, STEP_S)
+        first = pool.submit(stream)
+        time.sleep(0.3)
+        second = pool.submit(stream)
+        texts = [first.result(), second.result()]
+        alone = post(url, body).json()["choices"][0]["text"]
+        swapped = metric(url, 'batchinfer_num_preemptions_total{mode="swap",reason="kv_full"}')
+        recomputed = metric(url,
+                            'batchinfer_num_preemptions_total{mode="recompute",reason="kv_full"}')
+        out = metric(url, 'batchinfer_swapped_blocks_total{direction="out"}')
+        back = metric(url, 'batchinfer_swapped_blocks_total{direction="in"}')
+        usage = metric(url, "batchinfer_swap_space_usage_perc")
+    assert texts == [alone, alone] and alone
+    assert swapped >= 1 and recomputed == 0
+    assert out == back >= 1 and usage == 0

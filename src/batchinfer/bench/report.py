@@ -174,6 +174,11 @@ def _server_table(result: BenchResult) -> Table | str:
                        ("queue_timeouts", "queue timeouts (during run)")):
         if key in server.deltas:
             table.add_row(label, f"{server.deltas[key]:g}", "")
+    for key, label in (("recomputed_tokens", "tokens recomputed after preemption"),
+                       ("swapped_blocks", "KV blocks swapped (out + in)"),
+                       ("swap_time_s", "time spent swapping (s)")):
+        if server.deltas.get(key):
+            table.add_row(label, f"{server.deltas[key]:.4g}", "")
     queries = server.deltas.get("prefix_cache_queries")
     if queries:
         hits = server.deltas.get("prefix_cache_hits", 0.0)

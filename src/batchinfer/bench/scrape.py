@@ -30,6 +30,9 @@ COUNTERS = {
     "queue_timeouts": ("batchinfer_request_queue_timeouts",),
     "prefix_cache_queries": ("batchinfer_prefix_cache_queries", "vllm:prefix_cache_queries"),
     "prefix_cache_hits": ("batchinfer_prefix_cache_hits", "vllm:prefix_cache_hits"),
+    "recomputed_tokens": ("batchinfer_recomputed_tokens",),
+    "swapped_blocks": ("batchinfer_swapped_blocks",),  # out + in
+    "swap_time_s": ("batchinfer_swap_time_seconds",),
 }
 HISTOGRAMS = {
     "batch_size": ("batchinfer_batch_size",),

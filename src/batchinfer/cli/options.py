@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
 
-from batchinfer.core.config import EngineConfig, parse_bytes
+from batchinfer.core.config import BYTE_SIZES, EngineConfig, parse_bytes
 
 
 def _base_type(annotation: Any) -> Any:
@@ -40,9 +41,9 @@ def add_dataclass_flags(
         if base is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_text)
-        elif f.name == "kv_cache_memory":
+        elif f.name in BYTE_SIZES:
             parser.add_argument(flag, dest=prefix + f.name, default=None, help=help_text,
-                                type=lambda s: parse_bytes("kv_cache_memory", s))
+                                type=functools.partial(parse_bytes, f.name))
         elif base in (int, float, str):
             parser.add_argument(flag, dest=prefix + f.name, type=base, default=None, help=help_text)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from batchinfer.core.preemption import PREEMPTION_MODES
 from batchinfer.core.validation import (
     check_bool,
     check_choice,
@@ -20,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 GiB = 1 << 30
+BYTE_SIZES = ("kv_cache_memory", "swap_space")  # fields that accept "2G", "512M"
 
 # `--preset NAME` sets these knobs at once; a knob given explicitly wins over its preset.
 # interactive: latency first: priorities, a soft watermark at 70 % and KV admission capped at
@@ -128,6 +130,16 @@ class EngineConfig:
     max_blocks_per_request: int | None = field(default=None, metadata=_help(
         "most KV blocks one sequence may hold; a request needing more is refused at admission;"
         " default: no cap beyond max_model_len"))
+    preemption_mode: str = field(default="recompute", metadata=_help(
+        "what a preempted request's KV becomes: recompute (dropped, prefilled again), swap "
+        "(copied to host memory and back), auto (the cheaper per request, by costs measured "
+        "at start-up)"))
+    swap_space: int = field(default=4 * GiB, metadata=_help(
+        "bytes of host memory for swapped-out KV blocks (accepts 4G, 512M); used by "
+        "preemption_mode swap and auto, a pool of its own on CPU too"))
+    max_swap_blocks_per_step: int = field(default=128, metadata=_help(
+        "most KV blocks copied out (and, separately, in) in one step: a longer request swaps "
+        "its leading blocks and recomputes the rest"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -136,6 +148,7 @@ class EngineConfig:
         check_choice("batching", self.batching, BATCHING_FORMS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.preset is not None:
             check_choice("preset", self.preset, tuple(PRESETS))
         if not isinstance(self.model, str) or not self.model:
@@ -171,6 +184,8 @@ class EngineConfig:
                              "it acts above)")
         if self.max_blocks_per_request is not None:
             check_int("max_blocks_per_request", self.max_blocks_per_request)
+        check_int("swap_space", self.swap_space, low=0)
+        check_int("max_swap_blocks_per_step", self.max_swap_blocks_per_step)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -179,8 +194,9 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
-        if isinstance(kwargs.get("kv_cache_memory"), str):
-            kwargs["kv_cache_memory"] = parse_bytes("kv_cache_memory", kwargs["kv_cache_memory"])
+        for name in BYTE_SIZES:
+            if isinstance(kwargs.get(name), str):
+                kwargs[name] = parse_bytes(name, kwargs[name])
         preset = kwargs.get("preset")
         if preset is not None:
             check_choice("preset", preset, tuple(PRESETS))

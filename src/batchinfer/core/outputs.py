@@ -61,6 +61,10 @@ class SchedulerOutput:
     # Requests that left since the previous step (finished, aborted, preempted): the runner drops
     # any per-request state it keeps for them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # KV blocks to copy before the step runs, swap-outs first: (device block, host block) pairs
+    # out to the swap space, then (host block, device block) pairs back in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -68,7 +72,12 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """No sequence runs (swaps may still be due: `has_swaps`)."""
         return not self.sequences
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 @dataclass(slots=True)
@@ -135,11 +144,19 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     num_preemptions_total: int
-    # Cumulative preemptions by reason: "kv_full" (a running request needed a block) and
-    # "priority" (room for a waiting request of higher priority).
-    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    # Cumulative preemptions by (reason, mode). Reason: "kv_full" (a running request needed a
+    # block) or "priority" (room for a waiting request of higher priority); mode: "recompute"
+    # or "swap" (what its KV became).
+    preemptions: dict[tuple[str, str], int] = field(default_factory=dict)
     # Preemptions per 100 steps over the last `PREEMPTION_WINDOW_STEPS` steps that ran.
     preemption_rate: float = 0.0
     # Prefix cache, cumulative, in tokens (vLLM's definition): looked up at admission, found.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Swap space (cumulative counts): fraction of host blocks in use, blocks copied out and in,
+    # seconds the copies took, and tokens whose KV preemption dropped (to be prefilled again).
+    swap_usage: float = 0.0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_time_s: float = 0.0
+    recomputed_tokens: int = 0

@@ -124,7 +124,7 @@ class RequestMetrics:
 @dataclass(slots=True)
 class Request:
     """One sequence to generate. `all_token_ids` = prompt + output; KV holds the first
-    `num_computed_tokens` of them."""
+    `num_computed_tokens` of them (in device blocks, or while swapped out in `swap_blocks`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -150,6 +150,9 @@ class Request:
     elastic_truncated: bool = False
     admitted_rank: float = 0.0
     waited_s: float = 0.0
+    # Swapped out: the host blocks holding the KV of its first `num_computed_tokens` tokens,
+    # copied back into device blocks when it resumes (empty: nothing swapped).
+    swap_blocks: list[int] = field(default_factory=list)
     wait_start_s: float = field(init=False)
     metrics: RequestMetrics = field(init=False)
 

@@ -26,6 +26,9 @@ Under pressure (docs/scheduling.md has the rules and their bounds):
 - **elastic max_tokens**: above the soft watermark with requests waiting, batch-class requests
   that did not choose `max_tokens` get `elastic_min_tokens` (never below what they have + 1).
 - **per-request KV cap**: `max_blocks_per_request`; a request needing more is refused when added.
+- **preemption mode** (`core.preemption`): a victim's KV is dropped and recomputed, or swapped
+  to host blocks (at most `max_swap_blocks_per_step` each way per step) and copied back when it
+  resumes, or whichever is cheaper by the costs measured at start-up (`auto`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from batchinfer.core.block_manager import BlockKey, BlockManager, block_keys, cdiv
 from batchinfer.core.config import EngineConfig
@@ -51,11 +55,13 @@ from batchinfer.core.policy import (
     WaitingQueue,
     effective_priority,
 )
+from batchinfer.core.preemption import HostBlockPool, PreemptionCosts
 from batchinfer.core.request import INTERACTIVE_PRIORITY, Request, RequestStatus
 
 # The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
 PREEMPTION_WINDOW_STEPS = 200
 PREEMPTION_REASONS = ("kv_full", "priority")
+PREEMPTED_KV = ("recompute", "swap")  # what a preempted request's KV became
 
 
 class Scheduler:
@@ -67,7 +73,11 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        num_swap_blocks: int = 0,
+        preemption_costs: PreemptionCosts | None = None,
     ) -> None:
+        """`num_swap_blocks`: host blocks of the swap space (preemption_mode swap / auto);
+        `preemption_costs`: what auto compares (measured by the worker)."""
         self.config = config
         self.max_model_len = max_model_len
         self.clock = clock
@@ -95,13 +105,39 @@ class Scheduler:
             self.token_limit = min(max_model_len,
                                    config.max_blocks_per_request * config.block_size)
         self.num_preemptions_total = 0
-        self.preemptions_by_reason = dict.fromkeys(PREEMPTION_REASONS, 0)
+        self.preemptions = {(r, m): 0 for r in PREEMPTION_REASONS for m in PREEMPTED_KV}
+        self._init_swap(num_swap_blocks, preemption_costs)
         self._recent_preemptions: deque[int] = deque(maxlen=PREEMPTION_WINDOW_STEPS)
         self._step_preemptions = 0
         self._left_ids: list[str] = []
         self._num_with_timeout = 0  # requests with their own queue time limit
         # Outputs of requests the scheduler itself ended (queue timeouts), for the next step's.
         self._ended: list[EngineCoreOutput] = []
+
+    def _init_swap(self, num_swap_blocks: int, costs: PreemptionCosts | None) -> None:
+        mode = self.config.preemption_mode
+        if mode != "recompute" and num_swap_blocks < 1:
+            raise ValueError(f"preemption_mode {mode} needs a swap space of at least one KV "
+                             "block; raise swap_space")
+        if mode == "auto" and costs is None:
+            raise ValueError("preemption_mode auto needs the preemption costs measured at "
+                             "start-up")
+        self.swap_pool = HostBlockPool(num_swap_blocks if mode != "recompute" else 0)
+        self.preemption_costs = costs
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.recomputed_tokens = 0
+        # This step's copies: (device, host) pairs out; per resumed request, (host, device) in.
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: dict[str, list[tuple[int, int]]] = {}
+
+    @property
+    def preemptions_by_reason(self) -> dict[str, int]:
+        return {r: sum(self.preemptions[r, m] for m in PREEMPTED_KV) for r in PREEMPTION_REASONS}
+
+    @property
+    def preemptions_by_mode(self) -> dict[str, int]:
+        return {m: sum(self.preemptions[r, m] for r in PREEMPTION_REASONS) for m in PREEMPTED_KV}
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -202,6 +238,8 @@ class Scheduler:
         output = SchedulerOutput(finished_request_ids=self._left_ids)
         self._left_ids = []
         self._step_preemptions = 0
+        self.swap_pool.end_step()  # host blocks the last step's swap-ins read are free again
+        self._swap_out, self._swap_in = [], {}
         now = self.clock()
         self._expire_waiting(now)
         self._apply_elastic_caps()
@@ -222,6 +260,9 @@ class Scheduler:
             # The deferred chunks found no blocks and nothing could be admitted: run them as
             # usual (preempting if need be), so a step never stalls while requests run.
             self._schedule_running(output, self.config.max_num_batched_tokens, None, [])
+        output.blocks_to_swap_out = self._swap_out
+        output.blocks_to_swap_in = [pair for pairs in self._swap_in.values() for pair in pairs]
+        self.swapped_in_blocks += len(output.blocks_to_swap_in)
         if output.is_empty and output.finished_request_ids:
             # No step runs: keep the ids for the next one, so the runner still hears of them.
             self._left_ids = output.finished_request_ids + self._left_ids
@@ -290,10 +331,14 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.block_manager.usage,
             num_preemptions_total=self.num_preemptions_total,
-            preemptions_by_reason=dict(self.preemptions_by_reason),
+            preemptions=dict(self.preemptions),
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             preemption_rate=100.0 * sum(recent) / len(recent) if recent else 0.0,
+            swap_usage=self.swap_pool.usage,
+            swapped_out_blocks=self.swapped_out_blocks,
+            swapped_in_blocks=self.swapped_in_blocks,
+            recomputed_tokens=self.recomputed_tokens,
         )
 
     @staticmethod
@@ -451,54 +496,67 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0:
                 break
-            cached = self._cached_prefix(request)
-            if self._shares_a_running_prefill(request, cached, prefilling):
+            if request.swap_blocks and not self._swap_in_fits(request):
+                return budget  # in order: it resumes next step, within the swap cap
+            size = self._admission_size(request, budget)
+            if self._shares_a_running_prefill(request, size.cached, prefilling):
                 continue  # it waits for that prefill, then takes its blocks from the cache
-            # Blocks it adds to those in use: new ones + cached ones that nobody holds now.
-            reused = bm.num_idle(cached)
-            whole = cdiv(request.num_tokens, bm.block_size) - len(cached) + reused
-            if (soft is not None and self.running and committed + whole > soft * bm.num_blocks
+            if (soft is not None and self.running
+                    and committed + size.whole > soft * bm.num_blocks
                     and not self._soft_exempt(request, now)):
                 continue
-            start = len(cached) * bm.block_size
-            num_new = min(request.num_tokens - start, budget)
-            take = cdiv(start + num_new, bm.block_size) - len(cached) + reused
-            while not self._admissible(take, committed + whole):
-                refund = self._preempt_for(request, take, committed, whole, output)
+            while not self._admissible(size.take, committed + size.whole):
+                refund = self._preempt_for(request, size.take, committed, size.whole, output)
                 if refund is None:
                     return budget  # in order: nothing behind it jumps a request that waits
                 budget += refund
                 committed = self._committed_blocks()
-                cached = self._cached_prefix(request)  # a victim's blocks may have left
-                reused = bm.num_idle(cached)
-                whole = cdiv(request.num_tokens, bm.block_size) - len(cached) + reused
-                start = len(cached) * bm.block_size
-                num_new = min(request.num_tokens - start, budget)
-                take = cdiv(start + num_new, bm.block_size) - len(cached) + reused
-            bm.share(request.request_id, cached)
+                size = self._admission_size(request, budget)  # a victim's blocks may have left
+            start, num_new = size.start, size.num_new
+            bm.share(request.request_id, size.cached)
             table = bm.allocate(request.request_id, start + num_new)
             if table is None:  # not reached: `_admissible` checked the free blocks
                 raise RuntimeError("admission allocated more blocks than were free")
             self.waiting.remove(request)
             self._lookup_keys.pop(request.request_id, None)
-            request.num_computed_tokens = start
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += start
+            if request.swap_blocks:
+                self._swap_in_to(request, table)
+            else:
+                request.num_computed_tokens = start
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += start
             self._start(request, now)
             output.sequences.append(self._sequence(request, num_new, table))
             budget -= num_new
-            committed += whole
+            committed += size.whole
             if bm.enable_prefix_caching and request.num_prompt_tokens > bm.block_size:
                 keys = self._prompt_keys_of(request)
                 prefilling.setdefault(keys[0], []).append(request)  # its copies wait for it
         return budget
 
+    def _admission_size(self, request: Request, budget: int) -> _AdmissionSize:
+        """What admitting a waiting request takes now (see `_AdmissionSize`)."""
+        bm = self.block_manager
+        cached = self._cached_prefix(request)
+        reused = bm.num_idle(cached)
+        # Swapped out: its KV comes back into new blocks; else its cached prefix is not computed.
+        start = request.num_computed_tokens if request.swap_blocks else len(cached) * bm.block_size
+        num_new = min(request.num_tokens - start, budget)
+        return _AdmissionSize(
+            cached=cached,
+            whole=cdiv(request.num_tokens, bm.block_size) - len(cached) + reused,
+            start=start,
+            num_new=num_new,
+            take=cdiv(start + num_new, bm.block_size) - len(cached) + reused,
+        )
+
     # ----------------------------------------------------------------- prefix cache
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks of a waiting request's longest cached prefix (none unless prefix
-        caching is on). Its block keys are computed once while it waits."""
+        caching is on, none for a swapped-out request). Its block keys are computed once while
+        it waits."""
         bm = self.block_manager
-        if not bm.enable_prefix_caching:
+        if not bm.enable_prefix_caching or request.swap_blocks:
             return []
         keys = self._lookup_keys.get(request.request_id)
         if keys is None:
@@ -619,6 +677,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.swap_blocks and not self._swap_in_fits(request):
+                i += 1  # resumed by a whole-batch admission: it swaps in next step
+                continue
             remaining = request.num_tokens - request.num_computed_tokens
             if defer_for is not None and remaining > 1 and self._yields_to(request, defer_for):
                 deferred.append(request)
@@ -648,6 +709,8 @@ class Scheduler:
                 return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted meanwhile
+            if request.swap_blocks and not self._swap_in_fits(request):
+                continue
             num_new, table = self._grow(request, budget)
             if table is None:
                 continue
@@ -658,22 +721,79 @@ class Scheduler:
         """The request's next chunk within `budget`, and its block table grown to hold it
         (None, nothing changed, when the blocks are not free)."""
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        return num_new, self.block_manager.allocate(request.request_id,
-                                                    request.num_computed_tokens + num_new)
+        table = self.block_manager.allocate(request.request_id,
+                                            request.num_computed_tokens + num_new)
+        if table is not None and request.swap_blocks:
+            self._swap_in_to(request, table)
+        return num_new, table
 
     def _preempt(self, request: Request, reason: str) -> None:
-        """Recompute: drop the request's KV and requeue it (fcfs: at the front); its output so
-        far is kept and re-prefilled with the prompt, so the text it produces does not change."""
+        """Take a running request back to the waiting queue (fcfs: at the front). Its KV is
+        swapped out or dropped (`_keep_kv`); its output so far is kept, and what was dropped
+        is prefilled again with the prompt, so the text it produces does not change."""
+        undone = self._swap_in.pop(request.request_id, None)
+        if undone is not None:
+            # Resumed in this step and taken back before its swap-in ran: its KV is still in
+            # the host blocks.
+            request.swap_blocks = [host for host, _ in undone]
+            self.swap_pool.keep(request.swap_blocks)
+            mode = "swap"
+        elif request.swap_blocks:
+            # Moved to running by a whole-batch admission but never resumed: nothing to undo.
+            self._requeue(request)
+            return
+        else:
+            mode = self._keep_kv(request)
         self.block_manager.free(request.request_id)
         self._left_ids.append(request.request_id)
-        request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.preemptions[reason, mode] += 1
+        self._step_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         request.status = RequestStatus.PREEMPTED
         request.wait_start_s = self.clock()
-        self.num_preemptions_total += 1
-        self.preemptions_by_reason[reason] += 1
-        self._step_preemptions += 1
         self.waiting.requeue(request)
+
+    def _keep_kv(self, request: Request) -> str:
+        """Swap a victim's computed blocks out (its leading ones, within this step's swap cap
+        and the free host blocks) or drop them, by `preemption_mode` (`auto`: the cheaper by
+        the measured costs). Returns the mode used; `num_computed_tokens` becomes what was
+        kept."""
+        computed = request.num_computed_tokens
+        num_blocks = cdiv(computed, self.block_manager.block_size)
+        n = 0
+        if self.config.preemption_mode != "recompute" and computed:
+            n = min(num_blocks, self.swap_pool.num_free,
+                    self.config.max_swap_blocks_per_step - len(self._swap_out))
+        kept = computed if n == num_blocks else n * self.block_manager.block_size
+        costs = self.preemption_costs
+        if (n and self.config.preemption_mode == "auto" and costs is not None
+                and costs.swap_s(n, computed - kept) >= costs.recompute_s(computed)):
+            n = kept = 0
+        self.recomputed_tokens += computed - kept
+        request.num_computed_tokens = kept
+        if not n:
+            return "recompute"
+        table = self.block_manager.block_table(request.request_id)
+        request.swap_blocks = self.swap_pool.allocate(n)
+        self._swap_out.extend(zip(table[:n], request.swap_blocks, strict=True))
+        self.swapped_out_blocks += n
+        return "swap"
+
+    def _swap_in_fits(self, request: Request) -> bool:
+        """Whether a swapped-out request's blocks fit in what this step may still copy in."""
+        copied = sum(len(pairs) for pairs in self._swap_in.values())
+        return copied + len(request.swap_blocks) <= self.config.max_swap_blocks_per_step
+
+    def _swap_in_to(self, request: Request, table: list[int]) -> None:
+        """Resume a swapped-out request into its new blocks: its host blocks are copied into
+        the first of them before the step runs, and free again after it."""
+        self._swap_in[request.request_id] = list(zip(request.swap_blocks, table, strict=False))
+        self.swap_pool.release(request.swap_blocks)
+        request.swap_blocks = []
 
     def _sequence(self, request: Request, num_new: int, table: list[int]) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -722,6 +842,9 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request.request_id)
+        if request.swap_blocks:  # ended while swapped out
+            self.swap_pool.free(request.swap_blocks)
+            request.swap_blocks = []
         self._lookup_keys.pop(request.request_id, None)
         self._prompt_keys.pop(request.request_id, None)
         self._left_ids.append(request.request_id)
@@ -729,3 +852,16 @@ class Scheduler:
         request.metrics.finished_s = self.clock()
         del self.requests[request.request_id]
         self._num_with_timeout -= request.queue_timeout_s is not None
+
+
+@dataclass(slots=True)
+class _AdmissionSize:
+    """Admitting a waiting request now: the `cached` blocks of its prefix it shares, the blocks
+    its whole known context adds to those in use (`whole`: new ones + cached ones nobody holds),
+    where its first chunk starts and how long it is, and the blocks that chunk adds (`take`)."""
+
+    cached: list[int]
+    whole: int
+    start: int
+    num_new: int
+    take: int

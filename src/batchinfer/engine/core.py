@@ -28,6 +28,7 @@ from batchinfer.core.outputs import (
     SchedulerStats,
     TokenLogprobs,
 )
+from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.scheduler import Scheduler
 
@@ -43,6 +44,12 @@ class Runner(Protocol):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def swap_blocks(
+        self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
+    ) -> None:
+        """Copy (device, host) block pairs out to the swap space, then (host, device) in."""
+        ...
+
 
 class EngineCore:
     """`add_requests`, `finish`, `step`; everything else is read-only state for stats."""
@@ -54,12 +61,16 @@ class EngineCore:
         num_blocks: int,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        num_swap_blocks: int = 0,
+        preemption_costs: PreemptionCosts | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.clock = clock
-        self.scheduler = Scheduler(config, num_blocks, max_model_len, clock)
+        self.scheduler = Scheduler(config, num_blocks, max_model_len, clock, num_swap_blocks,
+                                   preemption_costs)
         self.last_scheduler_output: SchedulerOutput | None = None
+        self.swap_time_s = 0.0  # spent copying blocks to and from the swap space
 
     # ----------------------------------------------------------------- requests in and out
     def add_requests(self, requests: list[Request]) -> None:
@@ -114,7 +125,9 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         """The scheduler's state after the last step (`last_scheduler_output`)."""
-        return self.scheduler.stats(self.last_scheduler_output)
+        stats = self.scheduler.stats(self.last_scheduler_output)
+        stats.swap_time_s = self.swap_time_s
+        return stats
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[EngineCoreOutput]:
@@ -122,6 +135,12 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
         ended = self.scheduler.take_ended()  # queue timeouts found while scheduling
+        if scheduler_output.has_swaps:
+            # Before the step: swapped-out blocks may be written by it once copied.
+            start_s = time.perf_counter()
+            self.runner.swap_blocks(scheduler_output.blocks_to_swap_out,
+                                    scheduler_output.blocks_to_swap_in)
+            self.swap_time_s += time.perf_counter() - start_s
         if scheduler_output.is_empty:
             return ended
         runner_output, failed = self._execute(scheduler_output)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import EngineCoreOutput
+from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.request import RequestStatus, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.engine.core import EngineCore, Runner
@@ -49,6 +50,12 @@ class ModelWorker(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    @property
+    def num_swap_blocks(self) -> int: ...
+
+    @property
+    def preemption_costs(self) -> PreemptionCosts | None: ...
+
 
 class LLMEngine:
     """Add requests, step, read outputs. Build with `LLMEngine.from_config(config)`."""
@@ -67,7 +74,7 @@ class LLMEngine:
         self.max_model_len = worker.max_model_len
         self.model_name = worker.model_name
         self.core = EngineCore(config, worker.runner, worker.num_blocks, worker.max_model_len,
-                               clock)
+                               clock, worker.num_swap_blocks, worker.preemption_costs)
         self.processor = Processor(worker.tokenizer, worker.vocab_size, worker.max_model_len,
                                    worker.eos_token_ids, clock, config.special_tokens_in_chat)
         self.output_processor = OutputProcessor(worker.tokenizer)

@@ -56,6 +56,22 @@ class AttentionBackend(Protocol):
         """Prepare one step; RuntimeError if the cache is not allocated for its block size."""
         ...
 
+    def reset_kv_scales(self) -> None:
+        """FP8: scales back to 1.0 (calibrated again by the next step if asked to)."""
+        ...
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """Host memory for `num_blocks` swapped-out blocks, in the cache's layout."""
+        ...
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (device block, host block) pairs out to the swap space."""
+        ...
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (host block, device block) pairs back into the cache."""
+        ...
+
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

@@ -42,7 +42,7 @@ class ModelRunner:
     masked while a sequence is short of `min_tokens`; `seed` seeds unseeded random sampling;
     `attention_backend` names the attention backend (`auto`, `sdpa`, `gather`, `cpu_sparse`;
     see `attention.py`); `calculate_kv_scales` calibrates an FP8 cache's scales on the first
-    step.
+    step; `num_swap_blocks` sizes the host swap space (`swap_blocks`).
     """
 
     def __init__(
@@ -58,6 +58,7 @@ class ModelRunner:
         *,
         attention_backend: str = "auto",
         calculate_kv_scales: bool = False,
+        num_swap_blocks: int = 0,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -67,12 +68,25 @@ class ModelRunner:
         self.attention = select_attention_backend(self.device, kv_dtype, attention_backend,
                                                   calculate_kv_scales)
         self.attention.allocate_kv_cache(spec, num_blocks, block_size)
+        if num_swap_blocks:
+            self.attention.allocate_swap_space(num_swap_blocks)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
 
     @property
     def kv_cache(self) -> torch.Tensor:
         """The cache tensor, in the attention backend's own layout."""
         return self.attention.kv_cache
+
+    def swap_blocks(
+        self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
+    ) -> None:
+        """Copy (device, host) block pairs out to the swap space, then (host, device) pairs in;
+        returns once the copies are done (the step after them reads the blocks)."""
+        with torch.inference_mode():
+            self.attention.swap_out(swap_out)
+            self.attention.swap_in(swap_in)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; outputs are aligned with `scheduler_output.sequences`."""

@@ -15,6 +15,8 @@ as memory goes).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 from batchinfer.core.block_manager import cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
+from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.llama import ModelSpec
@@ -48,6 +51,10 @@ class Worker:
     max_model_len: int
     # Peak bytes of a profiled step at `max_num_batched_tokens`; None where not profiled (CPU).
     activation_bytes: int | None = None
+    # Host blocks of the swap space (0: preemption_mode recompute), and what preempting costs
+    # here (measured at start-up for preemption_mode auto).
+    num_swap_blocks: int = 0
+    preemption_costs: PreemptionCosts | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Worker:
@@ -75,16 +82,27 @@ class Worker:
         max_model_len = resolve_max_model_len(
             config.max_model_len, loaded.spec, num_blocks * config.block_size, knob
         )
-        runner = _make_runner(config, loaded, device, kv_dtype, num_blocks)
+        block_bytes = bytes_per_block(loaded.spec, config.block_size, kv_dtype)
+        num_swap_blocks = swap_space_blocks(config, block_bytes)
+        runner = _make_runner(config, loaded, device, kv_dtype, num_blocks, num_swap_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s; "
             "max_model_len %d",
             num_blocks, config.block_size, num_blocks * config.block_size,
-            num_blocks * bytes_per_block(loaded.spec, config.block_size, kv_dtype) / 2**20,
-            str(kv_dtype).removeprefix("torch."), device, max_model_len,
+            num_blocks * block_bytes / 2**20, str(kv_dtype).removeprefix("torch."), device,
+            max_model_len,
         )
+        costs = None
+        if num_swap_blocks:
+            logger.info("swap space: %d blocks (%.1f MiB of host memory); preemption_mode %s",
+                        num_swap_blocks, num_swap_blocks * block_bytes / 2**20,
+                        config.preemption_mode)
+        if config.preemption_mode == "auto":
+            costs = measure_preemption_costs(runner, config, num_blocks, num_swap_blocks,
+                                             max_model_len, loaded.spec.vocab_size)
+            logger.info("preemption costs measured: %s", costs.describe())
         return cls(config, device, dtype, kv_dtype, loaded, runner, num_blocks, max_model_len,
-                   activation_bytes)
+                   activation_bytes, num_swap_blocks, costs)
 
     # The facts the engine reads (see `engine.llm_engine.ModelWorker`).
     @property
@@ -118,6 +136,7 @@ def _make_runner(
     device: torch.device,
     kv_dtype: torch.dtype,
     num_blocks: int,
+    num_swap_blocks: int = 0,
 ) -> ModelRunner:
     return ModelRunner(
         loaded.model,
@@ -130,7 +149,78 @@ def _make_runner(
         seed=config.seed,
         attention_backend=config.attention_backend,
         calculate_kv_scales=config.calculate_kv_scales,
+        num_swap_blocks=num_swap_blocks,
     )
+
+
+def swap_space_blocks(config: EngineConfig, block_bytes: int) -> int:
+    """Host blocks `swap_space` holds when a preemption mode swaps (else 0); `ValueError`
+    naming `swap_space` when it holds none."""
+    if config.preemption_mode == "recompute":
+        return 0
+    num_blocks = config.swap_space // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"swap_space: {config.swap_space} bytes hold no KV block of {block_bytes} bytes; "
+            f"raise swap_space or use preemption_mode recompute"
+        )
+    return num_blocks
+
+
+# Start-up measurement of preemption costs: a prefill of this many tokens (at most), and swaps
+# of this many blocks (at most) out and back in, each timed a few times (the fastest counts).
+COST_PREFILL_TOKENS = 128
+COST_SWAP_BLOCKS = 32
+COST_REPEATS = 3
+
+
+def measure_preemption_costs(
+    runner: ModelRunner, config: EngineConfig, num_blocks: int, num_swap_blocks: int,
+    max_model_len: int, vocab_size: int,
+) -> PreemptionCosts:
+    """Time, on this machine and model: one prefill of up to `COST_PREFILL_TOKENS` tokens (per
+    token), and round trips of 1 and of up to `COST_SWAP_BLOCKS` blocks to the swap space (per
+    block, and the fixed part). Runs before any request, on blocks nobody holds yet; a round
+    trip leaves the blocks as they were, and FP8 scales are reset to be calibrated afterwards
+    on real tokens."""
+    size = config.block_size
+    num_tokens = max(1, min(COST_PREFILL_TOKENS, config.max_num_batched_tokens,
+                            max_model_len - 1, num_blocks * size))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    step = SchedulerOutput(sequences=[ScheduledSequence(
+        request_id="cost-prefill", token_ids=[(7 * i + 1) % vocab_size for i in range(num_tokens)],
+        num_computed_tokens=0, block_table=list(range(cdiv(num_tokens, size))), sample=True,
+        sampling_params=params, num_prompt_tokens=num_tokens)])
+    prefill_s = _fastest(lambda: runner.execute(step), runner.device) / num_tokens
+    runner.attention.reset_kv_scales()
+    k = max(1, min(COST_SWAP_BLOCKS, num_blocks, num_swap_blocks,
+                   config.max_swap_blocks_per_step))
+
+    def round_trip(n: int) -> Callable[[], None]:
+        pairs = [(i, i) for i in range(n)]
+        return lambda: runner.swap_blocks(pairs, pairs)
+
+    one_s = _fastest(round_trip(1), runner.device)
+    many_s = _fastest(round_trip(k), runner.device)
+    per_block_s = (many_s - one_s) / (k - 1) if k > 1 else one_s
+    per_block_s = max(per_block_s, many_s / k / 2)  # timer noise must not make copies free
+    fixed_s = max(0.0, (one_s - per_block_s) / 2)
+    return PreemptionCosts(prefill_s, per_block_s, fixed_s)
+
+
+def _fastest(run: Callable[[], object], device: torch.device) -> float:
+    """The fastest of `COST_REPEATS` timed runs, after one untimed warm-up run."""
+    times = []
+    for i in range(COST_REPEATS + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def kv_cache_budget(config: EngineConfig, device: torch.device, activation_bytes: int) -> int:

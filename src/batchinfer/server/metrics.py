@@ -19,7 +19,11 @@ from prometheus_client import (
 
 from batchinfer.core.outputs import QUEUE_TIMEOUT, SchedulerStats
 from batchinfer.core.request import PRIORITY_CLASSES
-from batchinfer.core.scheduler import PREEMPTION_REASONS, PREEMPTION_WINDOW_STEPS
+from batchinfer.core.scheduler import (
+    PREEMPTED_KV,
+    PREEMPTION_REASONS,
+    PREEMPTION_WINDOW_STEPS,
+)
 from batchinfer.engine.outputs import RequestStats
 
 # vLLM's buckets, so dashboards built for it read these the same way.
@@ -47,9 +51,22 @@ class ServerMetrics:
             "batchinfer_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
             registry=r)
         self.num_preemptions = Counter(
-            "batchinfer_num_preemptions", "Preemptions (recompute) of running requests, by "
-            "reason: kv_full (a running request needed a block), priority (room for a waiting "
-            "request of higher priority)", ["reason"], registry=r)
+            "batchinfer_num_preemptions", "Preemptions of running requests, by reason: kv_full "
+            "(a running request needed a block), priority (room for a waiting request of higher "
+            "priority); and by mode: what the victim's KV became (recompute: dropped, swap: "
+            "copied to host memory)", ["reason", "mode"], registry=r)
+        self.swap_space_usage = Gauge(
+            "batchinfer_swap_space_usage_perc", "Fraction of the swap space's host blocks in "
+            "use (0-1)", registry=r)
+        self.swapped_blocks = Counter(
+            "batchinfer_swapped_blocks", "KV blocks copied to the swap space (out) and back "
+            "(in)", ["direction"], registry=r)
+        self.swap_time = Counter(
+            "batchinfer_swap_time_seconds", "Time the engine spent copying KV blocks to and "
+            "from the swap space", registry=r)
+        self.recomputed_tokens = Counter(
+            "batchinfer_recomputed_tokens", "Tokens whose KV a preemption dropped, to be "
+            "prefilled again", registry=r)
         self.preemption_rate = Gauge(
             "batchinfer_preemption_rate", "Preemptions per 100 engine steps over the last "
             f"{PREEMPTION_WINDOW_STEPS} steps (high: scheduling is too aggressive)", registry=r)
@@ -98,9 +115,12 @@ class ServerMetrics:
                               self.request_queue_time):
                 histogram.labels(priority_class)
         for reason in PREEMPTION_REASONS:
-            self.num_preemptions.labels(reason)
-        self._preemptions_seen = dict.fromkeys(PREEMPTION_REASONS, 0)
-        self._prefix_seen = (0, 0)  # (queries, hits) counted so far
+            for mode in PREEMPTED_KV:
+                self.num_preemptions.labels(reason, mode)
+        for direction in ("out", "in"):
+            self.swapped_blocks.labels(direction)
+        # Cumulative values already counted, by name (counters take the step's increase).
+        self._seen: dict[object, float] = {}
         self._last_token_s: dict[str, float] = {}  # request id -> time of its latest tokens
 
     def record_step(self, stats: SchedulerStats) -> None:
@@ -108,20 +128,27 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        for reason, total in stats.preemptions_by_reason.items():
-            seen = self._preemptions_seen.get(reason, 0)
-            if total > seen:
-                self.num_preemptions.labels(reason).inc(total - seen)
-                self._preemptions_seen[reason] = total
+        for (reason, mode), total in stats.preemptions.items():
+            self._count(self.num_preemptions.labels(reason, mode), ("preempt", reason, mode),
+                        total)
         self.preemption_rate.set(stats.preemption_rate)
-        queries, hits = self._prefix_seen
-        if stats.prefix_cache_queries > queries:
-            self.prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
-            self.prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
-            self._prefix_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self.swap_space_usage.set(stats.swap_usage)
+        self._count(self.swapped_blocks.labels("out"), "out", stats.swapped_out_blocks)
+        self._count(self.swapped_blocks.labels("in"), "in", stats.swapped_in_blocks)
+        self._count(self.swap_time, "swap_time", stats.swap_time_s)
+        self._count(self.recomputed_tokens, "recomputed", stats.recomputed_tokens)
+        self._count(self.prefix_cache_queries, "queries", stats.prefix_cache_queries)
+        self._count(self.prefix_cache_hits, "hits", stats.prefix_cache_hits)
         if stats.num_scheduled_seqs:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.batch_size.observe(stats.num_scheduled_seqs)
+
+    def _count(self, counter: Counter, key: object, total: float) -> None:
+        """Add to `counter` what the cumulative `total` gained since the last step."""
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[key] = total
 
     def record_requests(self, stats: list[RequestStats], now_s: float) -> None:
         """Token counts and request latencies from one processed step (or an abort)."""

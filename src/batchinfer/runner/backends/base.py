@@ -27,9 +27,14 @@ class BackendBase:
     largest value. Subclasses write through `quantize`; reading needs no conversion pass:
     `q . (K k_scale) = (q . K) k_scale` folds into the softmax scale and `V v_scale` into the
     output (`attend_chunks`, `PagedRowsBackend.__call__`).
+
+    Swap space (`allocate_swap_space`): host blocks in the cache's own layout, `block_dim` being
+    the dimension that numbers blocks; `swap_out` / `swap_in` copy whole blocks, bytes as they
+    are (an FP8 block keeps its layer's scales, which are per layer, not per block).
     """
 
     name = "base"
+    block_dim = 1  # the dimension of `kv_cache` that numbers blocks
 
     def __init__(
         self, device: torch.device, kv_dtype: torch.dtype, calculate_kv_scales: bool = False
@@ -43,6 +48,7 @@ class BackendBase:
         # Per layer (k_scale, v_scale), as Python floats: multiplying by one costs no sync.
         self.kv_scales: list[tuple[float, float]] = []
         self._calibrated: list[bool] = []
+        self.swap_space = torch.empty(0, dtype=kv_dtype)
 
     def quantize(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
@@ -79,8 +85,44 @@ class BackendBase:
         shape = self._cache_shape(spec, num_blocks, block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.block_size = block_size
-        self.kv_scales = [(1.0, 1.0)] * spec.num_layers
-        self._calibrated = [False] * spec.num_layers
+        self.reset_kv_scales()
+
+    def reset_kv_scales(self) -> None:
+        """Scales back to 1.0, to be calibrated again by the next step when asked to (after a
+        start-up measurement ran on dummy tokens)."""
+        num_layers = self.kv_cache.shape[0]
+        self.kv_scales = [(1.0, 1.0)] * num_layers
+        self._calibrated = [False] * num_layers
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """Host memory for `num_blocks` swapped-out blocks (pinned next to a GPU, for fast
+        copies). Left uninitialised: only blocks copied out are ever copied back in."""
+        shape = list(self.kv_cache.shape)
+        shape[self.block_dim] = num_blocks
+        pin = self.device.type == "cuda"
+        self.swap_space = torch.empty(shape, dtype=self.kv_dtype, device="cpu", pin_memory=pin)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the (device block, host block) pairs' device blocks into their host blocks."""
+        if not pairs:
+            return
+        device_ids, host_ids = self._block_ids(pairs)
+        blocks = _bytes(self.kv_cache).index_select(self.block_dim, device_ids.to(self.device))
+        _bytes(self.swap_space).index_copy_(self.block_dim, host_ids, blocks.to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the (host block, device block) pairs' host blocks into their device blocks."""
+        if not pairs:
+            return
+        host_ids, device_ids = self._block_ids(pairs)
+        blocks = _bytes(self.swap_space).index_select(self.block_dim, host_ids)
+        _bytes(self.kv_cache).index_copy_(self.block_dim, device_ids.to(self.device),
+                                          blocks.to(self.device, non_blocking=True))
+
+    @staticmethod
+    def _block_ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(pairs, dtype=torch.long)
+        return ids[:, 0], ids[:, 1]
 
     def _check_step(self, metadata: AttentionMetadata) -> None:
         if self.kv_cache.numel() == 0:
@@ -90,3 +132,8 @@ class BackendBase:
                 f"{self.name}: step built for block_size {metadata.block_size}, "
                 f"cache has {self.block_size}"
             )
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (FP8 as uint8: copies need no float8 kernels)."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache

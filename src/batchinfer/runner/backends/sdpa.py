@@ -22,6 +22,7 @@ class SdpaBackend(BackendBase):
     """Per-sequence SDPA over a `[layers, 2, blocks, block_size, kv_heads, d]` cache."""
 
     name = "sdpa"
+    block_dim = 2
 
     def __init__(
         self, device: torch.device, kv_dtype: torch.dtype, calculate_kv_scales: bool = False
