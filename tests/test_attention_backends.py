@@ -196,11 +196,19 @@ def test_fp8_cache_attends_exactly_over_its_stored_values(backend: str, kv_dtype
     assert 0 < worst < (0.08 if kv_dtype == torch.float8_e4m3fn else 0.16)
 
 
+@pytest.mark.parametrize("one_block_at_a_time", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("backend", ["sdpa", "gather"])
-def test_swap_out_and_in_moves_whole_blocks_bit_for_bit(backend: str, kv_dtype: torch.dtype):
+def test_swap_out_and_in_moves_whole_blocks_bit_for_bit(
+    backend: str, kv_dtype: torch.dtype, one_block_at_a_time: bool, monkeypatch
+):
     """Blocks copied to host blocks and back into other device blocks hold the same bytes in
-    every layer, K and V; blocks not named are untouched."""
+    every layer, K and V; blocks not named are untouched (copied in one go, or in chunks of
+    one block)."""
+    if one_block_at_a_time:
+        from batchinfer.runner.backends import base
+
+        monkeypatch.setattr(base, "SWAP_CHUNK_BYTES", 1)
     spec = Spec(3, 2, 16)
     attention = select_attention_backend(CPU, kv_dtype, backend)
     attention.allocate_kv_cache(spec, 8, 4)

@@ -91,6 +91,7 @@ class Harness:
         self.sched.swap_pool.check_invariants()
         if out.has_swaps:
             self.runner.swap_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in)
+            self.sched.swaps_done()
         ended = self.sched.take_ended()
         if not out.is_empty:
             ended += self.sched.update_from_output(out, self.runner.execute(out))

@@ -202,6 +202,10 @@ class Scheduler:
         self._finish(request, status)
         return self._output(request, [], [], error, error_code)
 
+    def swaps_done(self) -> None:
+        """The step's block copies ran: host blocks its swap-ins read are free again."""
+        self.swap_pool.end_step()
+
     def take_ended(self) -> list[EngineCoreOutput]:
         """Outputs of the requests the scheduler ended itself (queue timeouts) since the last
         call."""
@@ -238,7 +242,7 @@ class Scheduler:
         output = SchedulerOutput(finished_request_ids=self._left_ids)
         self._left_ids = []
         self._step_preemptions = 0
-        self.swap_pool.end_step()  # host blocks the last step's swap-ins read are free again
+        self.swap_pool.end_step()  # in case the last step's copies were not reported
         self._swap_out, self._swap_in = [], {}
         now = self.clock()
         self._expire_waiting(now)
@@ -734,7 +738,9 @@ class Scheduler:
         undone = self._swap_in.pop(request.request_id, None)
         if undone is not None:
             # Resumed in this step and taken back before its swap-in ran: its KV is still in
-            # the host blocks.
+            # the host blocks. (Not reached under today's rules, kept for safety: a request
+            # admitted earlier in a step never yields to one admitted later, and kv_full
+            # victims are never requests already scheduled in the step.)
             request.swap_blocks = [host for host, _ in undone]
             self.swap_pool.keep(request.swap_blocks)
             mode = "swap"

@@ -141,6 +141,7 @@ class EngineCore:
             self.runner.swap_blocks(scheduler_output.blocks_to_swap_out,
                                     scheduler_output.blocks_to_swap_in)
             self.swap_time_s += time.perf_counter() - start_s
+            self.scheduler.swaps_done()
         if scheduler_output.is_empty:
             return ended
         runner_output, failed = self._execute(scheduler_output)

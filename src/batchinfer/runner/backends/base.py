@@ -3,6 +3,8 @@ and how K/V are stored in it (as is, or as FP8 with a per-layer scale)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from batchinfer.runner.input_batch import AttentionMetadata
@@ -12,6 +14,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # `calculate_kv_scales` maps a layer's largest |K| (|V|) of the first step to this fraction of the
 # FP8 type's largest value: room for later tokens a little larger than the first ones.
 CALIBRATION_HEADROOM = 0.5
+# A swap copies at most this many bytes of blocks at once (a temporary on the device).
+SWAP_CHUNK_BYTES = 64 << 20
 
 
 class BackendBase:
@@ -104,25 +108,32 @@ class BackendBase:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the (device block, host block) pairs' device blocks into their host blocks."""
-        if not pairs:
-            return
-        device_ids, host_ids = self._block_ids(pairs)
-        blocks = _bytes(self.kv_cache).index_select(self.block_dim, device_ids.to(self.device))
-        _bytes(self.swap_space).index_copy_(self.block_dim, host_ids, blocks.to("cpu"))
+        cache, space = _bytes(self.kv_cache), _bytes(self.swap_space)
+        for device_ids, host_ids in self._block_ids(pairs, 0):
+            blocks = cache.index_select(self.block_dim, device_ids.to(self.device))
+            space.index_copy_(self.block_dim, host_ids, blocks.to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the (host block, device block) pairs' host blocks into their device blocks."""
+        cache, space = _bytes(self.kv_cache), _bytes(self.swap_space)
+        for device_ids, host_ids in self._block_ids(pairs, 1):
+            blocks = space.index_select(self.block_dim, host_ids)
+            cache.index_copy_(self.block_dim, device_ids.to(self.device),
+                              blocks.to(self.device))
+
+    def _block_ids(
+        self, pairs: list[tuple[int, int]], device_column: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(device ids, host ids) of the pairs, in chunks of at most `SWAP_CHUNK_BYTES`: the
+        gathered blocks are a temporary on the device, which no memory budget counts."""
         if not pairs:
             return
-        host_ids, device_ids = self._block_ids(pairs)
-        blocks = _bytes(self.swap_space).index_select(self.block_dim, host_ids)
-        _bytes(self.kv_cache).index_copy_(self.block_dim, device_ids.to(self.device),
-                                          blocks.to(self.device, non_blocking=True))
-
-    @staticmethod
-    def _block_ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        block_bytes = self.kv_cache.nbytes // self.kv_cache.shape[self.block_dim]
+        step = max(1, SWAP_CHUNK_BYTES // block_bytes)
         ids = torch.tensor(pairs, dtype=torch.long)
-        return ids[:, 0], ids[:, 1]
+        for start in range(0, len(pairs), step):
+            chunk = ids[start : start + step]
+            yield chunk[:, device_column], chunk[:, 1 - device_column]
 
     def _check_step(self, metadata: AttentionMetadata) -> None:
         if self.kv_cache.numel() == 0:
