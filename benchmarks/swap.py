@@ -5,9 +5,10 @@ forces preemption.
     .venv/bin/python benchmarks/swap.py --repeats 2
 
 Each configuration is a `batchinfer serve` subprocess with a small KV cache (`--kv-cache-memory`,
-default 160M of float32 KV: about 3,600 tokens of the default model) and the same burst of
-`--num-prompts` long requests (prompt `--input-len`, output `--output-len`), all at t=0, measured
-by `batchinfer bench serve`: several requests run at once, grow, and preempt each other. With
+default 80M of float32 KV: about 1,800 tokens of the default model) and the same burst of
+`--num-prompts` requests with short prompts and long outputs (prompt `--input-len`, output
+`--output-len`), all at t=0, measured by `batchinfer bench serve`: many are admitted on their
+prompts' size, then grow while they decode and preempt each other. With
 `--repeats N` the configurations alternate, so machine drift hits all alike; medians are
 reported.
 
@@ -104,11 +105,11 @@ def run_one(args: argparse.Namespace, name: str, round_index: int) -> dict[str, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--kv-cache-memory", default="160M",
+    parser.add_argument("--kv-cache-memory", default="80M",
                         help="KV cache of each server: small, so the burst preempts")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--input-len", default="300:900")
-    parser.add_argument("--output-len", default="128:256")
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--input-len", default="64:192")
+    parser.add_argument("--output-len", default="256:384")
     parser.add_argument("--num-warmups", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
