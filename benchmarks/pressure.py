@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import re
 import statistics
 import sys
@@ -34,21 +33,12 @@ from typing import Any
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.serve import bench_serve
 from batchinfer.bench.sweep import SweepConfig, SweepServer, running_server
+from batchinfer.models.hardware import cpu_model
 
 CONFIGS = {
     "fcfs": ("--scheduling-policy", "fcfs"),
     "interactive": ("--preset", "interactive"),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def run_one(args: argparse.Namespace, name: str, round_index: int) -> dict[str, Any]:

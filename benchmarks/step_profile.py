@@ -16,8 +16,7 @@ default `--threads 1`): on a shared machine, wall time mostly measures the neigh
 one thread the thread's CPU time is exactly the work done. With `--threads N > 1` they are wall
 time, since the other threads' work would not show in this thread's CPU time. Each step's time
 is split by wrapping, for the run only:
-- linear:    every projection and the LM head (`PackedLinear`, or `F.linear` with
-             `--no-prepack-weights`);
+- linear:    every projection and the LM head (`KernelLinear`, whichever kernel it chose);
 - attention: the attention backend's `__call__` minus the two below (scores, softmax,
              weighted sum);
 - gather:    KV cache copies: block gathers (`paged_rows.gather_blocks`) and this step's K/V
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 from batchinfer import SamplingParams
 from batchinfer.engine.llm_engine import LLMEngine
 from batchinfer.engine.outputs import RequestOutputKind
-from batchinfer.models.prepack import PackedLinear
+from batchinfer.models.linear_kernels import KernelLinear
 from batchinfer.runner.backends import gather, paged_rows
 from batchinfer.runner.backends.sdpa import SdpaBackend
 
@@ -55,7 +54,7 @@ BUCKETS = ("linear", "attention", "gather", "other")
 # (owner, attribute, bucket): the callables timed, patched for the duration of the run.
 _TIMED: list[tuple[Any, str, str]] = [
     (F, "linear", "linear"),
-    (PackedLinear, "forward", "linear"),
+    (KernelLinear, "forward", "linear"),
     (paged_rows.PagedRowsBackend, "__call__", "attention"),
     (SdpaBackend, "__call__", "attention"),
     (paged_rows, "gather_blocks", "gather"),
@@ -173,7 +172,9 @@ def run_workload(
         r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
     ):
         records.append(timed_step(engine, timer, "prefill-heavy", op_tables))
-    for half in (args.num_prompts, args.num_prompts // 2):
+    for half in dict.fromkeys((args.num_prompts, args.num_prompts // 2)):
+        if half < 1:
+            continue  # one prompt: its decode steps only
         for request_id in request_ids[half:]:
             engine.abort_request(request_id)
         for _ in range(args.decode_steps):
@@ -198,6 +199,42 @@ def report(records: list[StepRecord]) -> None:
     print("(median ms per step of each bucket, seqs and tokens; ms/step is the buckets' sum)")
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor a forward pass reads in full: parameters and buffers, less the
+    embedding table (one row per token) and the RoPE tables (one row per position)."""
+    skip = {id(model.embed_tokens.weight), id(model.rope_cos), id(model.rope_sin)}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
+    return sum(t.numel() * t.element_size() for t in tensors.values()
+               if t.device.type != "meta" and t.layout == torch.strided)
+
+
+def stream_seconds(model: torch.nn.Module) -> float:
+    """Time to read every weight once (the fastest of 5 passes): a decode step's floor."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.layout == torch.strided]
+    times = []
+    with torch.inference_mode():
+        for _ in range(5):
+            start = time.perf_counter()
+            for t in tensors:
+                t.sum()
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def print_memory_floor(engine: LLMEngine, records: list[StepRecord]) -> None:
+    """The fixed cost of a one-sequence decode step next to the time to stream the weights."""
+    model = engine.worker.loaded.model
+    one = [sum(r.seconds.values()) for r in records if r.num_seqs == 1 and r.num_tokens == 1]
+    size = weight_bytes(model)
+    floor_s = stream_seconds(model)
+    print(f"weights read per step: {size / 2**20:.0f} MiB; streaming them once: "
+          f"{floor_s * 1e3:.1f} ms ({size / floor_s / 1e9:.1f} GB/s)")
+    if one:
+        step_s = statistics.median(one)
+        print(f"one-token step of one sequence: {step_s * 1e3:.1f} ms, "
+              f"{step_s / floor_s:.1f}x the time to stream the weights")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -206,14 +243,16 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="oneDNN-packed linear weights, the engine's default")
+    parser.add_argument("--linear-kernels", default="auto",
+                        help="the engine's --linear-kernels (default auto: measured)")
+    parser.add_argument("--quantization", default="none", help="the engine's --quantization")
     parser.add_argument("--ops", action="store_true",
                         help="also print torch.profiler's top ops of one step of each type")
     args = parser.parse_args()
     engine = LLMEngine.from_kwargs(
         model="default", dtype="float32", num_threads=args.threads,
-        max_num_seqs=max(64, args.num_prompts), prepack_weights=args.prepack_weights,
+        max_num_seqs=max(64, args.num_prompts), linear_kernels=args.linear_kernels,
+        quantization=args.quantization,
     )
     # Warm-up: first-call allocations and lazy initialisation stay out of the figures.
     engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -226,6 +265,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
           f"{engine.worker.spec.num_layers} layers, block_size {engine.config.block_size}")
     report(records)
+    print_memory_floor(engine, records)
     for kind, table in (op_tables or {}).items():
         print(f"\n{kind}: top ops of its first step (torch.profiler)\n{table}")
 

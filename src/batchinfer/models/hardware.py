@@ -8,6 +8,7 @@ and slower than float32 (figures in docs/architecture.md).
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Collection
 from pathlib import Path
 
@@ -67,3 +68,14 @@ def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         if line.startswith("flags"):
             return bool(set(line.partition(":")[2].split()) & {"avx512_bf16", "amx_bf16"})
     return False
+
+
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), what measured figures and cached choices quote."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

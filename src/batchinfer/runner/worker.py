@@ -28,9 +28,9 @@ from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.hardware import resolve_device, resolve_dtype
+from batchinfer.models.linear_kernels import KernelPlan
 from batchinfer.models.llama import ModelSpec
-from batchinfer.models.loader import LoadedModel, load_model
-from batchinfer.models.prepack import prepack_supported
+from batchinfer.models.loader import LoadedModel, default_cache_dir, load_model
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 
@@ -55,6 +55,8 @@ class Worker:
     # here (measured at start-up for preemption_mode auto).
     num_swap_blocks: int = 0
     preemption_costs: PreemptionCosts | None = None
+    # The linear kernels chosen per weight shape and row bucket (measured, cached or forced).
+    linear_kernels: KernelPlan | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Worker:
@@ -64,8 +66,11 @@ class Worker:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(config.model, dtype, device)
-        if config.prepack_weights and prepack_supported(device, dtype):
-            loaded.model.prepack_weights()
+        kernels = loaded.model.choose_linear_kernels(
+            config.quantization, config.linear_kernels, device, dtype, default_cache_dir(),
+            config.prepack_weights)
+        logger.info("linear kernels (%s; weights %s): %s", kernels.source, config.quantization,
+                    kernels.describe())
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
         activation_bytes = None
         if device.type == "cuda":
@@ -102,7 +107,7 @@ class Worker:
                                              max_model_len, loaded.spec.vocab_size)
             logger.info("preemption costs measured: %s", costs.describe())
         return cls(config, device, dtype, kv_dtype, loaded, runner, num_blocks, max_model_len,
-                   activation_bytes, num_swap_blocks, costs)
+                   activation_bytes, num_swap_blocks, costs, kernels)
 
     # The facts the engine reads (see `engine.llm_engine.ModelWorker`).
     @property

@@ -238,8 +238,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         data = []
         if state.serving is not None:
             serving = state.serving
-            data.append({"id": serving.model_name, "object": "model", "created": 0,
-                         "owned_by": "batchinfer", "max_model_len": serving.llm.max_model_len})
+            entry = {"id": serving.model_name, "object": "model", "created": 0,
+                     "owned_by": "batchinfer", "max_model_len": serving.llm.max_model_len}
+            # Extension: the weight form and the linear kernels chosen at start-up.
+            plan = getattr(serving.llm.engine.worker, "linear_kernels", None)
+            if plan is not None:
+                entry["quantization"] = serving.llm.engine.config.quantization
+                entry["linear_kernels"] = plan.as_json()
+            data.append(entry)
         embedder = state.embeddings.target
         if embedder is not None:
             data.append({"id": embedder.model_name, "object": "model", "created": 0,

@@ -1,0 +1,488 @@
+"""Linear layers whose kernel is chosen by measuring on this machine, per weight shape and per
+number of rows.
+
+Which matmul kernel is fastest depends on the CPU (AVX2, AVX-512, AMX), on torch's build, on
+the shape and on whether the weights stay in cache: oneDNN's packed layout wins some products
+and loses others by 2x; torch's int8 and int4 kernels run 5-10x faster with bfloat16
+activations than with float32 ones on some CPUs; a kernel that wins at 256 rows (a prefill
+chunk) can lose at one row (a single-stream decode); and a quarter-size weight may stay in the
+last-level cache from one step to the next where float32 weights cannot. So at start-up every
+candidate kernel runs whole passes over all the model's linears, in model order, at each row
+bucket (1 row; 2-8; 9-32; 33 and more), and per weight shape and bucket the fastest is kept
+(`choose_kernels`): timing a product alone, on a weight that stays hot in cache, would reward
+kernels a real step never sees. The choice is cached under the cache folder, keyed by CPU
+model, torch version, threads, dtype, weight form and shapes, so a restart measures nothing.
+
+Candidates, by weight form (`quantization`):
+- `none`: `dense` (`F.linear`: MKL / the vendor library) and `packed` (oneDNN's blocked
+  layout, `prepack.PackedLinear`; CPU float32 only);
+- `int8`: symmetric int8 weights per output channel (a quarter of float32's bytes), run by
+  `int8` (torch's `_weight_int8pack_mm`), `int8_bf16` (the same with the activations rounded
+  to bfloat16 for the call: float32 models) or `int8_dense` (the weight dequantized in the
+  call, then `F.linear`: for large row counts the dequantization is a small share);
+- `q4`: 4-bit weights in groups of 32 with a scale and a zero (GGUF Q4_1's grid, an eighth of
+  float32's bytes), run by `q4` (torch's `_weight_int4pack_mm_for_cpu`), `q4_bf16` or
+  `q4_dense`, likewise.
+
+`KernelLinear` holds only the weight forms its chosen kernels read, and dispatches on the
+number of rows. Every kernel computes the same product as `F.linear` on the same (quantized)
+weights, to float32 rounding, or bfloat16's for the `_bf16` ones
+(tests/test_linear_kernels.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.models.hardware import cpu_model
+from batchinfer.models.prepack import PackedLinear, prepack_supported
+
+logger = logging.getLogger(__name__)
+
+KERNELS_BY_QUANTIZATION: dict[str, tuple[str, ...]] = {
+    "none": ("dense", "packed"),
+    "int8": ("int8", "int8_bf16", "int8_dense"),
+    "q4": ("q4", "q4_bf16", "q4_dense"),
+}
+# A kernel that cannot take one weight (a shape its packing refuses) leaves it to this one.
+FALLBACK = {"packed": "dense", "int8": "int8_dense", "int8_bf16": "int8_dense",
+            "q4": "q4_dense", "q4_bf16": "q4_dense"}
+# torch's bfloat16 int8 kernel reads past the end of rows of other lengths (wrong values, or
+# a crash): it is offered only where the input size is a multiple of this.
+INT8_BF16_K_MULTIPLE = 32
+Q4_GROUP_SIZE = 32  # weights per (scale, zero) pair along the input dimension, as GGUF's Q4_1
+# Row buckets (a decode of one sequence; a few; a batch of decodes; prefill chunks) and the
+# row count each is timed at.
+BUCKET_NAMES = ("1", "2-8", "9-32", "33+")
+PROBE_ROWS = (1, 8, 32, 256)
+# Timing: a warm-up pass, then this many timed passes (the median counts). A kernel whose
+# warm-up pass takes more than `PRUNE_FACTOR` times the best one's at a bucket is not timed
+# there; one of `ROW_BOUND` (their cost per row does not fall with more rows: a slow one at 8
+# rows is slower still at 256) is not tried at the larger buckets either. The `_dense` ones,
+# slow at one row (a whole weight dequantized per call) and fine at 256, always are.
+PROBE_PASSES = 3
+PRUNE_FACTOR = 3.0
+ROW_BOUND = ("int8", "int8_bf16", "q4", "q4_bf16")
+
+
+def quantize_q4(weight: torch.Tensor, group_size: int = Q4_GROUP_SIZE
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit weights in groups of `group_size` along the input dimension: integers
+    `q` in 0..15 `[out, in]` (int32) and `[in / group_size, out, 2]` (scale, zero) pairs, with
+    `weight ~= (q - 8) * scale + zero`, torch's int4 kernels' convention. A GGUF Q4_1 block
+    (d * q + m, its minimum at q = 0 and maximum at q = 15) comes back as the same integers."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"q4 needs the input size ({k}) to be a multiple of {group_size}")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+    scale = ((high - low) / 15).clamp_min(1e-8)
+    q = torch.round((w - low) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    zero = low + 8 * scale
+    pairs = torch.cat([scale, zero], dim=2).transpose(0, 1).contiguous()  # [groups, n, 2]
+    return q, pairs
+
+
+def dequantize_q4(q: torch.Tensor, pairs: torch.Tensor, group_size: int = Q4_GROUP_SIZE
+                  ) -> torch.Tensor:
+    n, k = q.shape
+    scale, zero = pairs.transpose(0, 1)[..., 0:1], pairs.transpose(0, 1)[..., 1:2]
+    grouped = q.reshape(n, k // group_size, group_size).float()
+    return ((grouped - 8) * scale + zero).reshape(n, k)
+
+
+def q4_supported(device: torch.device, weight_shape: tuple[int, int]) -> bool:
+    """Whether torch's packed int4 CPU kernel takes this weight (its packing wants the output
+    size a multiple of 32 and the input size a multiple of the group size)."""
+    n, k = weight_shape
+    return (device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and n % 32 == 0 and k % Q4_GROUP_SIZE == 0)
+
+
+def bucket_of(rows: int) -> int:
+    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 32 else 3
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: `weight ~= q * scale[:, None]`, |q| <= 127."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(weight.dtype).contiguous()
+
+
+class WeightForms:
+    """One linear's weight in the forms kernels read, made on demand from the dense weight
+    (`int8` forms quantize it once)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str
+                 ) -> None:
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.quantization = quantization
+        self._packed: PackedLinear | None = None
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # packed, q, pairs
+
+    def kernel(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The callable computing `x @ W.T + b` with kernel `name`; `ValueError` when that
+        kernel does not take this weight (a shape its packing refuses)."""
+        bias = self.bias
+        if name == "dense":
+            weight = self.weight
+            return lambda x: F.linear(x, weight, bias)
+        if name == "packed":
+            if self._packed is None:
+                self._packed = PackedLinear(self.weight, bias)
+            return self._packed.forward
+        if name.startswith("int8"):
+            if self._int8 is None:
+                self._int8 = quantize_int8(self.weight)
+            q, scale = self._int8
+            if name == "int8_dense":
+                return lambda x: F.linear(x, q.to(x.dtype).mul_(scale.to(x.dtype)[:, None]),
+                                          bias)
+            bf16 = name.endswith("_bf16")
+            if bf16 and q.shape[1] % INT8_BF16_K_MULTIPLE:
+                raise ValueError(f"the {name} kernel needs the input size ({q.shape[1]}) to be "
+                                 f"a multiple of {INT8_BF16_K_MULTIPLE}")
+            return _rows_kernel(lambda rows, dtype: torch._weight_int8pack_mm(
+                rows, q, scale.to(dtype)), bias, bf16)
+        if name.startswith("q4"):
+            if self._q4 is None:
+                q4, pairs = quantize_q4(self.weight)
+                packed = torch.empty(0)
+                if q4_supported(self.weight.device, (q4.shape[0], q4.shape[1])):
+                    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+                self._q4 = (packed, q4.to(torch.uint8), pairs)
+            packed, q4_u8, pairs = self._q4
+            if name == "q4_dense":
+                return lambda x: F.linear(x, dequantize_q4(q4_u8, pairs).to(x.dtype), bias)
+            if not packed.numel():
+                raise ValueError(f"the {name} kernel does not take a {tuple(q4_u8.shape)} "
+                                 "weight here")
+            return _rows_kernel(lambda rows, dtype: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, packed, Q4_GROUP_SIZE, pairs.to(dtype)), bias, name.endswith("_bf16"))
+        raise ValueError(f"unknown linear kernel {name!r}")
+
+    def release(self) -> None:
+        """Drop the converted forms (the dense weight stays)."""
+        self._packed = self._int8 = self._q4 = None
+
+
+def _rows_kernel(
+    mm: Callable[[torch.Tensor, torch.dtype], torch.Tensor], bias: torch.Tensor | None,
+    bf16: bool,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A 2-D product `mm(rows, dtype)` as a kernel for `[..., in]` inputs; `bf16` runs it on
+    activations rounded to bfloat16 and returns the input's dtype."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        dtype = torch.bfloat16 if bf16 else x.dtype
+        out = mm(rows.to(dtype).contiguous(), dtype).to(x.dtype)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out.add_(bias)
+
+    return run
+
+
+class KernelLinear(nn.Module):
+    """`y = x @ W.T + b`, by the kernel chosen for the row bucket of `x` (`[..., in]`: rows
+    are all but the last dimension)."""
+
+    def __init__(self, forms: WeightForms, kernels: Sequence[str]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = forms.weight.shape
+        self.kernels = tuple(kernels)
+        self._fns = [forms.kernel(name) for name in self.kernels]
+        # Keep the tensors the kernels read reachable from the module (for `.to`, memory
+        # accounting); forms not chosen are dropped with `forms`.
+        kept: list[torch.Tensor] = []
+        if "dense" in self.kernels:
+            kept.append(forms.weight)
+        if forms._packed is not None and "packed" in self.kernels:
+            kept.append(forms._packed.packed_weight)  # type: ignore[arg-type]
+        if forms._int8 is not None and any(k.startswith("int8") for k in self.kernels):
+            kept.extend(forms._int8)
+        if forms._q4 is not None:
+            packed, q4_u8, pairs = forms._q4
+            if {"q4", "q4_bf16"} & set(self.kernels):
+                kept.append(packed)
+            if "q4_dense" in self.kernels:
+                kept.append(q4_u8)
+            kept.append(pairs)
+        for i, tensor in enumerate(kept):
+            self.register_buffer(f"weight_form_{i}", tensor, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
+
+    def extra_repr(self) -> str:
+        chosen = ", ".join(f"{b}: {k}" for b, k in zip(BUCKET_NAMES, self.kernels, strict=True))
+        return f"in_features={self.in_features}, out_features={self.out_features}, {chosen}"
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernel per row bucket for each weight shape `(out, in)`, and whether it was
+    measured now or read from the cache."""
+
+    choice: dict[tuple[int, int], tuple[str, ...]]
+    source: str  # "measured", "cached" or "forced"
+
+    def describe(self) -> str:
+        parts = []
+        for (n, k), kernels in sorted(self.choice.items()):
+            cells = ", ".join(f"{b} {name}" for b, name in zip(BUCKET_NAMES, kernels,
+                                                                strict=True))
+            parts.append(f"{n}x{k}: {cells}")
+        return "; ".join(parts)
+
+    def as_json(self) -> dict[str, list[str]]:
+        return {f"{n}x{k}": list(v) for (n, k), v in sorted(self.choice.items())}
+
+
+def candidates(quantization: str, device: torch.device, dtype: torch.dtype,
+               allow_packed: bool = True) -> tuple[str, ...]:
+    """The kernels that can run weights of this form on this device and dtype."""
+    names = KERNELS_BY_QUANTIZATION[quantization]
+    if not (allow_packed and prepack_supported(device, dtype)):
+        names = tuple(n for n in names if n != "packed")
+    if device.type != "cpu":  # torch's int8 / int4 weight kernels used here are CPU ones
+        names = tuple(n for n in names if n not in ("int8", "int8_bf16", "q4", "q4_bf16"))
+    if dtype != torch.float32:  # the activations are not float32: no rounding variant
+        names = tuple(n for n in names if not n.endswith("_bf16"))
+    return names
+
+
+Timings = dict[str, list[dict[tuple[int, int], float]]]  # kernel -> per bucket -> shape -> s
+
+
+def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dtype
+            ) -> Timings:
+    """Seconds per pass that each kernel spends on each weight shape, per row bucket: passes
+    over every site (one linear each, in model order, so weights leave the cache as in a real
+    step), a warm-up pass then `PROBE_PASSES` timed ones (median). A kernel pruned
+    (`PRUNE_FACTOR`, `ROW_BOUND`) is infinitely slow there. A shape the kernel refuses runs its fallback in the pass and cannot choose it.
+    Each kernel's converted weights are dropped before the next kernel's are made, so the
+    model is at most twice in memory."""
+    timings: Timings = {name: [] for name in names}
+    generator = torch.Generator().manual_seed(0)
+    device = sites[0].weight.device
+    inputs = {
+        (rows, k): torch.randn(rows, k, generator=generator).to(device=device, dtype=dtype)
+        for rows in PROBE_ROWS for k in {forms.weight.shape[1] for forms in sites}
+    }
+    pruned: set[str] = set()
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            warm: dict[str, float] = {}
+            per_shape: dict[str, dict[tuple[int, int], float]] = {}
+            for name in names:
+                if name in pruned:
+                    continue
+                # Where the kernel cannot take a weight, its fallback runs (as it would
+                # in the model), but that shape cannot choose it.
+                fns = [forms.kernel(runnable(forms, name)) for forms in sites]
+                refused = {(f.weight.shape[0], f.weight.shape[1]) for f in sites
+                           if runnable(f, name) != name}
+                warm[name] = sum(_pass(sites, fns, inputs, rows).values())
+                if warm[name] <= PRUNE_FACTOR * min(warm.values()):
+                    passes = [_pass(sites, fns, inputs, rows) for _ in range(PROBE_PASSES)]
+                    per_shape[name] = {
+                        shape: math.inf if shape in refused
+                        else statistics.median(p[shape] for p in passes)
+                        for shape in passes[0]}
+                for forms in sites:
+                    forms.release()
+            fastest_warm = min(warm.values(), default=math.inf)
+            for name in names:
+                if name in per_shape and warm[name] <= PRUNE_FACTOR * fastest_warm:
+                    timings[name].append(per_shape[name])
+                else:
+                    timings[name].append({})
+                    if name in ROW_BOUND:
+                        pruned.add(name)
+    return timings
+
+
+def _pass(sites: Sequence[WeightForms],
+          fns: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+          inputs: dict[tuple[int, int], torch.Tensor], rows: int
+          ) -> dict[tuple[int, int], float]:
+    """One pass over the sites at `rows` rows: seconds per weight shape."""
+    per_shape: dict[tuple[int, int], float] = {}
+    for forms, fn in zip(sites, fns, strict=True):
+        shape = (forms.weight.shape[0], forms.weight.shape[1])
+        x = inputs[(rows, shape[1])]
+        start = time.perf_counter()
+        fn(x)
+        per_shape[shape] = per_shape.get(shape, 0.0) + time.perf_counter() - start
+    return per_shape
+
+
+def fastest(timings: Timings, names: Sequence[str], shapes: Sequence[tuple[int, int]]
+            ) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Per shape, the kernel with the least time at each bucket (unmeasured = infinite)."""
+    def seconds(name: str, bucket: int, shape: tuple[int, int]) -> float:
+        return timings[name][bucket].get(shape, math.inf)
+
+    return {shape: tuple(min(names, key=lambda n: seconds(n, b, shape))
+                         for b in range(len(PROBE_ROWS)))
+            for shape in shapes}
+
+
+def cache_key(shapes: Sequence[tuple[int, int]], names: Sequence[str], dtype: torch.dtype,
+              device: torch.device) -> str:
+    """What a choice depends on: CPU model, torch version, threads, dtype, kernels, shapes."""
+    facts = {
+        "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "dtype": str(dtype), "device": str(device),
+        "kernels": list(names), "shapes": list(shapes), "probe_rows": PROBE_ROWS,
+        "method": "passes",
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def choose_kernels(
+    sites: Sequence[WeightForms],
+    names: Sequence[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: Path | None,
+) -> KernelPlan:
+    """The fastest of `names` per row bucket for each weight shape of the `sites` (every
+    linear of a model, in order), from the cache when this machine measured the same thing
+    before. One candidate: forced (where it cannot take a shape, its fallback)."""
+    shapes = list(dict.fromkeys((f.weight.shape[0], f.weight.shape[1]) for f in sites))
+    if len(names) == 1:
+        forced = {}
+        for forms in sites:
+            shape = (forms.weight.shape[0], forms.weight.shape[1])
+            if shape not in forced:
+                forced[shape] = (runnable(forms, names[0]),) * len(PROBE_ROWS)
+                forms.release()
+        return KernelPlan(forced, "forced")
+    all_shapes = [(f.weight.shape[0], f.weight.shape[1]) for f in sites]
+    path = None
+    if cache_dir is not None:
+        key = cache_key(all_shapes, names, dtype, device)
+        path = cache_dir / "linear-kernels" / f"{key}.json"
+        try:
+            stored = json.loads(path.read_text())
+            choice = {_shape(key): tuple(value) for key, value in stored["choice"].items()}
+            if set(choice) == set(shapes) and all(
+                    len(v) == len(PROBE_ROWS) and set(v) <= set(names) for v in choice.values()):
+                return KernelPlan(choice, "cached")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not measured yet here, or unreadable: measure
+    timings = measure(sites, names, dtype)
+    plan = KernelPlan(fastest(timings, names, shapes), "measured")
+    if path is not None:
+        seconds = {name: [{f"{n}x{k}": t for (n, k), t in bucket.items()} for bucket in buckets]
+                   for name, buckets in timings.items()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"cpu": cpu_model(), "torch": torch.__version__,
+                                       "choice": plan.as_json(), "seconds_per_pass": seconds},
+                                      indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            logger.warning("could not cache the linear kernel choice in %s: %s", path, exc)
+    return plan
+
+
+def runnable(forms: WeightForms, name: str) -> str:
+    """`name`, or its fallback where it cannot take this weight."""
+    try:
+        forms.kernel(name)
+    except ValueError:
+        return FALLBACK[name]
+    return name
+
+
+def _shape(key: str) -> tuple[int, int]:
+    n, k = key.split("x")
+    return int(n), int(k)
+
+
+def kernel_names(quantization: str, kernels: str, device: torch.device, dtype: torch.dtype,
+                 allow_packed: bool = True) -> tuple[str, ...]:
+    """The candidates `auto` measures, or the one kernel asked for; `ValueError` naming the
+    knob when that kernel cannot run this weight form, device or dtype."""
+    names = candidates(quantization, device, dtype, allow_packed)
+    if kernels == "auto":
+        return names
+    if kernels not in KERNELS_BY_QUANTIZATION[quantization]:
+        raise ValueError(
+            f"linear_kernels {kernels!r} does not run quantization {quantization!r} "
+            f"weights; choose one of auto, {', '.join(KERNELS_BY_QUANTIZATION[quantization])}")
+    if kernels not in names:
+        raise ValueError(f"linear_kernels {kernels!r} cannot run here ({device}, {dtype}); "
+                         "use auto or dense")
+    return (kernels,)
+
+
+def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: torch.device,
+                  dtype: torch.dtype, cache_dir: Path | None, allow_packed: bool = True,
+                  extra: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                  unquantized: Collection[str] = (),
+                  ) -> KernelPlan:
+    """Replace every `nn.Linear` under `module` (and the `extra` attribute name -> (weight,
+    bias) pairs, such as a tied LM head) by a `KernelLinear` whose kernels are `kernels` (a
+    name) or, with `auto`, the fastest measured here. The sites named in `unquantized` keep
+    the float weights (their kernels measured among the float ones, whatever `kernels` says).
+    `ValueError` names the knob when the kernel cannot run this weight form or device."""
+    names = kernel_names(quantization, kernels, device, dtype, allow_packed)
+    extra = extra or {}
+    site_names = [name for name, child in module.named_modules()
+                  if isinstance(child, nn.Linear)] + list(extra)
+
+    def weight_of(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if name in extra:
+            return extra[name]
+        linear = module.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        return linear.weight, linear.bias
+
+    groups = [(quantization, names, site_names)]
+    if quantization != "none":
+        groups = [(quantization, names, [n for n in site_names if n not in unquantized]),
+                  ("none", kernel_names("none", "auto", device, dtype, allow_packed),
+                   [n for n in site_names if n in unquantized])]
+    choice: dict[tuple[int, int], tuple[str, ...]] = {}
+    sources = []
+    for form, group_names, group in groups:
+        if not group:
+            continue
+        sites = [WeightForms(*weight_of(name), form) for name in group]
+        plan = choose_kernels(sites, group_names, dtype, device, cache_dir)
+        del sites
+        sources.append(plan.source)
+        # One at a time, by name: a dense weight no kernel reads is freed as soon as its
+        # replacement exists, so peak memory stays near one model's weights.
+        for name in group:
+            weight, bias = weight_of(name)
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            shape = (weight.shape[0], weight.shape[1])
+            setattr(parent, attr, KernelLinear(WeightForms(weight, bias, form),
+                                               plan.choice[shape]))
+            choice[shape] = plan.choice[shape]
+            del weight, bias
+    return KernelPlan(choice, "+".join(dict.fromkeys(sources)))
