@@ -96,12 +96,20 @@ def quantize_q4(weight: torch.Tensor, group_size: int = Q4_GROUP_SIZE
     return q, pairs
 
 
-def dequantize_q4(q: torch.Tensor, pairs: torch.Tensor, group_size: int = Q4_GROUP_SIZE
-                  ) -> torch.Tensor:
-    n, k = q.shape
+def q4_affine(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset), each `[out, groups, 1]`: `weight = q * scale + offset` per group."""
     scale, zero = pairs.transpose(0, 1)[..., 0:1], pairs.transpose(0, 1)[..., 1:2]
-    grouped = q.reshape(n, k // group_size, group_size).float()
-    return ((grouped - 8) * scale + zero).reshape(n, k)
+    return scale.contiguous(), (zero - 8 * scale).contiguous()
+
+
+def dequantize_q4(q: torch.Tensor, pairs: torch.Tensor, group_size: int = Q4_GROUP_SIZE,
+                  affine: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """float32 weights from 4-bit integers and their (scale, zero) pairs (`affine`: the same
+    pairs as `q4_affine` gives them, precomputed): one conversion and one fused multiply-add."""
+    n, k = q.shape
+    scale, offset = affine if affine is not None else q4_affine(pairs)
+    grouped = q.view(n, k // group_size, group_size).to(torch.float32)
+    return torch.addcmul(offset, grouped, scale).view(n, k)
 
 
 def q4_supported(device: torch.device, weight_shape: tuple[int, int]) -> bool:
@@ -159,8 +167,9 @@ class WeightForms:
             if bf16 and q.shape[1] % INT8_BF16_K_MULTIPLE:
                 raise ValueError(f"the {name} kernel needs the input size ({q.shape[1]}) to be "
                                  f"a multiple of {INT8_BF16_K_MULTIPLE}")
+            scales = _by_dtype(scale, bf16, self.weight.dtype)
             return _rows_kernel(lambda rows, dtype: torch._weight_int8pack_mm(
-                rows, q, scale.to(dtype)), bias, bf16)
+                rows, q, scales), bias, bf16)
         if name.startswith("q4"):
             if self._q4 is None:
                 q4, pairs = quantize_q4(self.weight)
@@ -170,17 +179,26 @@ class WeightForms:
                 self._q4 = (packed, q4.to(torch.uint8), pairs)
             packed, q4_u8, pairs = self._q4
             if name == "q4_dense":
-                return lambda x: F.linear(x, dequantize_q4(q4_u8, pairs).to(x.dtype), bias)
+                affine = q4_affine(pairs)
+                return lambda x: F.linear(
+                    x, dequantize_q4(q4_u8, pairs, affine=affine).to(x.dtype), bias)
             if not packed.numel():
                 raise ValueError(f"the {name} kernel does not take a {tuple(q4_u8.shape)} "
                                  "weight here")
+            bf16 = name.endswith("_bf16")
+            cast_pairs = _by_dtype(pairs, bf16, self.weight.dtype)
             return _rows_kernel(lambda rows, dtype: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, packed, Q4_GROUP_SIZE, pairs.to(dtype)), bias, name.endswith("_bf16"))
+                rows, packed, Q4_GROUP_SIZE, cast_pairs), bias, bf16)
         raise ValueError(f"unknown linear kernel {name!r}")
 
     def release(self) -> None:
         """Drop the converted forms (the dense weight stays)."""
         self._packed = self._int8 = self._q4 = None
+
+
+def _by_dtype(t: torch.Tensor, bf16: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Scales in the activations' dtype, cast once rather than every call."""
+    return t.to(torch.bfloat16 if bf16 else dtype).contiguous()
 
 
 def _rows_kernel(

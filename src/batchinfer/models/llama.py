@@ -203,9 +203,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (the float32 residual stream) -> normalized, in the weights' dtype."""
-        weight = self.weight.to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, weight, self.eps).to(self.weight.dtype)
+        """x (the float32 residual stream) -> normalized, in the weights' dtype.
+
+        Written out (`x * rsqrt(mean(x^2) + eps) * weight`, Hugging Face's formula) rather than
+        `F.rms_norm`, which on CPU runs 8x slower at 512 rows (0.91 ms against 0.12 ms for a
+        576-wide chunk here): 61 norms a step."""
+        inverse = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (x * inverse).mul_(self.weight.to(x.dtype)).to(self.weight.dtype)
 
 
 class Attention(nn.Module):
