@@ -245,13 +245,15 @@ def main() -> None:
     parser.add_argument("--linear-kernels", default="auto",
                         help="the engine's --linear-kernels (default auto: measured)")
     parser.add_argument("--quantization", default="none", help="the engine's --quantization")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="the engine's --attention-backend")
     parser.add_argument("--ops", action="store_true",
                         help="also print torch.profiler's top ops of one step of each type")
     args = parser.parse_args()
     engine = LLMEngine.from_kwargs(
         model="default", dtype="float32", num_threads=args.threads,
         max_num_seqs=max(64, args.num_prompts), linear_kernels=args.linear_kernels,
-        quantization=args.quantization,
+        quantization=args.quantization, attention_backend=args.attention_backend,
     )
     # Warm-up: first-call allocations and lazy initialisation stay out of the figures.
     engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))
