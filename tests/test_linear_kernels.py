@@ -249,3 +249,23 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
             assert got == want, kernels
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(model_dir), quantization="int3")
+
+
+def test_nibble_packing_round_trips():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.int32)
+    packed = lk.pack_nibbles(q)
+    assert packed.shape == (5, 32) and packed.dtype == torch.uint8
+    assert torch.equal(lk.unpack_nibbles(packed), q.to(torch.uint8))
+
+
+def test_a_refused_choice_runs_its_fallback_chain():
+    # q4 cannot group 40 inputs in 32s: q4 -> q4_dense -> dense (the float weights)
+    w, b = weights(48, 40)
+    layer = KernelLinear(WeightForms(w, b, "q4"), ("q4", "q4_bf16", "q4_dense", "q4"))
+    assert layer.kernels == ("dense",) * 4
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    # a bfloat16 model's int8 kernel reads 16-bit activations: refused unless K % 32 == 0
+    wb = w.to(torch.bfloat16)
+    bf16_layer = KernelLinear(WeightForms(wb, None, "int8"), ("int8",) * 4)
+    assert bf16_layer.kernels == ("int8_dense",) * 4

@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import time
@@ -58,8 +59,9 @@ KERNELS_BY_QUANTIZATION: dict[str, tuple[str, ...]] = {
     "q4": ("q4", "q4_bf16", "q4_dense"),
 }
 # A kernel that cannot take one weight (a shape its packing refuses) leaves it to this one.
+# `dense` (the float weights, unquantized) takes every weight: a shape q4 cannot group in 32s.
 FALLBACK = {"packed": "dense", "int8": "int8_dense", "int8_bf16": "int8_dense",
-            "q4": "q4_dense", "q4_bf16": "q4_dense"}
+            "int8_dense": "dense", "q4": "q4_dense", "q4_bf16": "q4_dense", "q4_dense": "dense"}
 # torch's bfloat16 int8 kernel reads past the end of rows of other lengths (wrong values, or
 # a crash): it is offered only where the input size is a multiple of this.
 INT8_BF16_K_MULTIPLE = 32
@@ -94,6 +96,18 @@ def quantize_q4(weight: torch.Tensor, group_size: int = Q4_GROUP_SIZE
     zero = low + 8 * scale
     pairs = torch.cat([scale, zero], dim=2).transpose(0, 1).contiguous()  # [groups, n, 2]
     return q, pairs
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit integers `[out, in]` (0..15) two to a byte: `[out, in / 2]` uint8, even columns in
+    the low nibble."""
+    q8 = q.to(torch.uint8)
+    return (q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: `[out, in]` uint8."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
 def q4_affine(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,26 +178,29 @@ class WeightForms:
                 return lambda x: F.linear(x, q.to(x.dtype).mul_(scale.to(x.dtype)[:, None]),
                                           bias)
             bf16 = name.endswith("_bf16")
-            if bf16 and q.shape[1] % INT8_BF16_K_MULTIPLE:
-                raise ValueError(f"the {name} kernel needs the input size ({q.shape[1]}) to be "
-                                 f"a multiple of {INT8_BF16_K_MULTIPLE}")
+            if ((bf16 or self.weight.dtype != torch.float32)
+                    and q.shape[1] % INT8_BF16_K_MULTIPLE):
+                raise ValueError(f"the {name} kernel with 16-bit activations needs the input "
+                                 f"size ({q.shape[1]}) to be a multiple of "
+                                 f"{INT8_BF16_K_MULTIPLE}")
             scales = _by_dtype(scale, bf16, self.weight.dtype)
             return _rows_kernel(lambda rows, dtype: torch._weight_int8pack_mm(
                 rows, q, scales), bias, bf16)
         if name.startswith("q4"):
             if self._q4 is None:
-                q4, pairs = quantize_q4(self.weight)
+                q4, pairs = quantize_q4(self.weight)  # ValueError: a shape q4 cannot group
                 packed = torch.empty(0)
                 if q4_supported(self.weight.device, (q4.shape[0], q4.shape[1])):
                     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
-                self._q4 = (packed, q4.to(torch.uint8), pairs)
-            packed, q4_u8, pairs = self._q4
+                self._q4 = (packed, pack_nibbles(q4), pairs)
+            packed, nibbles, pairs = self._q4
             if name == "q4_dense":
                 affine = q4_affine(pairs)
                 return lambda x: F.linear(
-                    x, dequantize_q4(q4_u8, pairs, affine=affine).to(x.dtype), bias)
+                    x, dequantize_q4(unpack_nibbles(nibbles), pairs, affine=affine).to(x.dtype),
+                    bias)
             if not packed.numel():
-                raise ValueError(f"the {name} kernel does not take a {tuple(q4_u8.shape)} "
+                raise ValueError(f"the {name} kernel does not take a {tuple(self.weight.shape)} "
                                  "weight here")
             bf16 = name.endswith("_bf16")
             cast_pairs = _by_dtype(pairs, bf16, self.weight.dtype)
@@ -225,7 +242,8 @@ class KernelLinear(nn.Module):
     def __init__(self, forms: WeightForms, kernels: Sequence[str]) -> None:
         super().__init__()
         self.out_features, self.in_features = forms.weight.shape
-        self.kernels = tuple(kernels)
+        # A kernel that cannot take this weight (a cached or forced choice) runs its fallback.
+        self.kernels = tuple(runnable(forms, name) for name in kernels)
         self._fns = [forms.kernel(name) for name in self.kernels]
         # Keep the tensors the kernels read reachable from the module (for `.to`, memory
         # accounting); forms not chosen are dropped with `forms`.
@@ -237,12 +255,11 @@ class KernelLinear(nn.Module):
         if forms._int8 is not None and any(k.startswith("int8") for k in self.kernels):
             kept.extend(forms._int8)
         if forms._q4 is not None:
-            packed, q4_u8, pairs = forms._q4
+            packed, nibbles, _ = forms._q4
             if {"q4", "q4_bf16"} & set(self.kernels):
                 kept.append(packed)
             if "q4_dense" in self.kernels:
-                kept.append(q4_u8)
-            kept.append(pairs)
+                kept.append(nibbles)
         for i, tensor in enumerate(kept):
             self.register_buffer(f"weight_form_{i}", tensor, persistent=False)
 
@@ -325,6 +342,7 @@ def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dty
                         shape: math.inf if shape in refused
                         else statistics.median(p[shape] for p in passes)
                         for shape in passes[0]}
+                del fns
                 for forms in sites:
                     forms.release()
             fastest_warm = min(warm.values(), default=math.inf)
@@ -371,7 +389,7 @@ def cache_key(shapes: Sequence[tuple[int, int]], names: Sequence[str], dtype: to
         "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "dtype": str(dtype), "device": str(device),
         "kernels": list(names), "shapes": list(shapes), "probe_rows": PROBE_ROWS,
-        "method": "passes",
+        "method": "passes-v2",  # bump when measurement or kernels change
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -406,7 +424,7 @@ def choose_kernels(
             if set(choice) == set(shapes) and all(
                     len(v) == len(PROBE_ROWS) and set(v) <= set(names) for v in choice.values()):
                 return KernelPlan(choice, "cached")
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # not measured yet here, or unreadable: measure
     timings = measure(sites, names, dtype)
     plan = KernelPlan(fastest(timings, names, shapes), "measured")
@@ -415,7 +433,7 @@ def choose_kernels(
                    for name, buckets in timings.items()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per writer: no torn files
             tmp.write_text(json.dumps({"cpu": cpu_model(), "torch": torch.__version__,
                                        "choice": plan.as_json(), "seconds_per_pass": seconds},
                                       indent=1))
@@ -426,11 +444,13 @@ def choose_kernels(
 
 
 def runnable(forms: WeightForms, name: str) -> str:
-    """`name`, or its fallback where it cannot take this weight."""
-    try:
-        forms.kernel(name)
-    except ValueError:
-        return FALLBACK[name]
+    """`name`, or the first of its fallbacks that takes this weight (`dense` takes any)."""
+    while name != "dense":
+        try:
+            forms.kernel(name)
+            return name
+        except ValueError:
+            name = FALLBACK[name]
     return name
 
 
@@ -499,8 +519,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
             parent_name, _, attr = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             shape = (weight.shape[0], weight.shape[1])
-            setattr(parent, attr, KernelLinear(WeightForms(weight, bias, form),
-                                               plan.choice[shape]))
-            choice[shape] = plan.choice[shape]
+            layer = KernelLinear(WeightForms(weight, bias, form), plan.choice[shape])
+            setattr(parent, attr, layer)
+            choice[shape] = layer.kernels  # what runs (a refused choice: its fallback)
             del weight, bias
     return KernelPlan(choice, "+".join(dict.fromkeys(sources)))
