@@ -269,3 +269,20 @@ def test_a_refused_choice_runs_its_fallback_chain():
     wb = w.to(torch.bfloat16)
     bf16_layer = KernelLinear(WeightForms(wb, None, "int8"), ("int8",) * 4)
     assert bf16_layer.kernels == ("int8_dense",) * 4
+
+
+def test_a_bucket_where_only_refusing_kernels_were_timed_chooses_a_fallback(monkeypatch):
+    """If pruning leaves a shape no kernel that takes it (q4_dense pruned, q4 refusing 48
+    outputs), the choice is the fallback that takes it, never the refusing kernel."""
+    measure = lk.measure
+
+    def q4_dense_pruned_everywhere(sites, names, dtype):
+        timings = measure(sites, names, dtype)
+        for bucket in timings["q4_dense"]:
+            bucket.clear()
+        return timings
+
+    monkeypatch.setattr(lk, "measure", q4_dense_pruned_everywhere)
+    sites = [WeightForms(*weights(48, 64), "q4"), WeightForms(*weights(64, 64), "q4")]
+    plan = choose_kernels(sites, candidates("q4", CPU, torch.float32), torch.float32, CPU, None)
+    assert plan.choice[(48, 64)] == ("q4_dense",) * 4

@@ -427,7 +427,14 @@ def choose_kernels(
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # not measured yet here, or unreadable: measure
     timings = measure(sites, names, dtype)
-    plan = KernelPlan(fastest(timings, names, shapes), "measured")
+    # A bucket where every kernel that takes a shape was pruned leaves only refusals (all
+    # infinitely slow): such a choice becomes the first fallback that takes the shape.
+    first_site = {(f.weight.shape[0], f.weight.shape[1]): f for f in reversed(sites)}
+    choice = {shape: tuple(runnable(first_site[shape], name) for name in kernels)
+              for shape, kernels in fastest(timings, names, shapes).items()}
+    for forms in sites:
+        forms.release()
+    plan = KernelPlan(choice, "measured")
     if path is not None:
         seconds = {name: [{f"{n}x{k}": t for (n, k), t in bucket.items()} for bucket in buckets]
                    for name, buckets in timings.items()}
