@@ -43,7 +43,7 @@ def main() -> None:
     best_of_form: dict[tuple[int, int, int], set[str]] = {}
     for quantization in lk.KERNELS_BY_QUANTIZATION:
         names = lk.candidates(quantization, cpu, torch.float32)
-        sites = [lk.WeightForms(w, b, quantization) for w, b in weights]
+        sites = [lk.WeightForms(w, b) for w, b in weights]
         measured = lk.measure(sites, names, torch.float32)
         timings.update(measured)
         for shape, kernels in lk.fastest(measured, names, shapes).items():

@@ -45,13 +45,13 @@ def test_every_kernel_computes_the_dense_product(rows, bias):
     w, b = weights(bias=bias)
     x = torch.randn(rows, 2 * w.shape[1])[:, ::2]  # strided, as the MLP's gate half is
     want = F.linear(x, w, b)
-    forms = WeightForms(w, b, "none")
+    forms = WeightForms(w, b)
     for name in candidates("none", CPU, torch.float32):
         torch.testing.assert_close(forms.kernel(name)(x), want, atol=1e-5, rtol=1e-5)
     q, scale = quantize_int8(w)
     dequantized = q.float() * scale[:, None]
     want_int8 = F.linear(x, dequantized, b)
-    int8 = WeightForms(w, b, "int8")
+    int8 = WeightForms(w, b)
     for name in ("int8", "int8_dense"):
         torch.testing.assert_close(int8.kernel(name)(x), want_int8, atol=1e-5, rtol=1e-5)
     # activations rounded to bfloat16 (8 bits of mantissa): within bf16's rounding
@@ -60,7 +60,7 @@ def test_every_kernel_computes_the_dense_product(rows, bias):
     torch.testing.assert_close(got, want_int8, atol=3e-2, rtol=2e-2)
     # torch's bf16 int8 kernel misreads rows whose length is not a multiple of 32: refused
     with pytest.raises(ValueError, match="multiple of 32"):
-        WeightForms(*weights(k=40), "int8").kernel("int8_bf16")
+        WeightForms(*weights(k=40)).kernel("int8_bf16")
     # and the int8 weights are within half a step of the float ones
     assert ((dequantized - w).abs() <= scale[:, None] / 2 + 1e-7).all()
 
@@ -76,7 +76,7 @@ def test_q4_kernels_compute_the_product_of_the_dequantized_weights(rows):
     assert ((dequantized - w).abs() <= step / 2 + 1e-6).all()
     x = torch.randn(rows, 96)
     want = F.linear(x, dequantized, b)
-    forms = WeightForms(w, b, "q4")
+    forms = WeightForms(w, b)
     names = ["q4_dense"] + (["q4"] if q4_supported(CPU, (64, 96)) else [])
     for name in names:
         torch.testing.assert_close(forms.kernel(name)(x), want, atol=1e-4, rtol=1e-4)
@@ -101,7 +101,7 @@ def test_q4_recovers_a_gguf_q4_1_block_exactly():
 
 def test_a_kernel_that_refuses_a_shape_falls_back_for_that_shape_only():
     # 48 outputs: not a multiple of 32, which torch's int4 packing needs.
-    sites = [WeightForms(*weights(48, 64), "q4"), WeightForms(*weights(64, 64), "q4")]
+    sites = [WeightForms(*weights(48, 64)), WeightForms(*weights(64, 64))]
     plan = choose_kernels(sites, ("q4",), torch.float32, CPU, None)
     assert plan.choice[(48, 64)] == ("q4_dense",) * 4
     assert plan.choice[(64, 64)] == (("q4",) if q4_supported(CPU, (64, 64)) else
@@ -116,7 +116,7 @@ def test_a_kernel_that_refuses_a_shape_falls_back_for_that_shape_only():
 def test_kernel_linear_dispatches_on_the_row_bucket():
     w, b = weights()
     calls = []
-    forms = WeightForms(w, b, "none")
+    forms = WeightForms(w, b)
     layer = KernelLinear(forms, ("dense", "packed", "dense", "packed"))
     layer._fns = [lambda x, i=i: calls.append(i) or F.linear(x, w, b) for i in range(4)]
     for rows in (1, 2, 8, 9, 32, 33, 500):
@@ -127,8 +127,8 @@ def test_kernel_linear_dispatches_on_the_row_bucket():
 
 
 def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    sites = [WeightForms(*weights(), "none"), WeightForms(*weights(40, 48, seed=1), "none"),
-             WeightForms(*weights(seed=2), "none")]  # two layers of one shape
+    sites = [WeightForms(*weights()), WeightForms(*weights(40, 48, seed=1)),
+             WeightForms(*weights(seed=2))]  # two layers of one shape
     linears = {(48, 64), (40, 48)}
     names = candidates("none", CPU, torch.float32)
     first = choose_kernels(sites, names, torch.float32, CPU, tmp_path)
@@ -152,7 +152,7 @@ def test_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch)
 
 
 def test_a_corrupt_cache_file_is_measured_again(tmp_path):
-    sites = [WeightForms(*weights(), "none")]
+    sites = [WeightForms(*weights())]
     names = candidates("none", CPU, torch.float32)
     choose_kernels(sites, names, torch.float32, CPU, tmp_path)
     (stored,) = (tmp_path / "linear-kernels").glob("*.json")
@@ -236,8 +236,6 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
         layer = llm.engine.worker.loaded.model.layers[0].mlp.gate_up_proj
         assert set(layer.kernels) <= {quantization, f"{quantization}_bf16",
                                       f"{quantization}_dense"}
-        assert not any(t.dtype == torch.float32 and t.shape == (256, 64)
-                       for t in layer.buffers())  # no float32 copy of the weight is kept
         assert set(llm.engine.worker.loaded.model.lm_head.kernels) <= {"dense", "packed"}
         if want is None:
             prompts = random_prompts(6, llm.engine.worker.vocab_size, seed=8, high=60)
@@ -261,13 +259,13 @@ def test_nibble_packing_round_trips():
 def test_a_refused_choice_runs_its_fallback_chain():
     # q4 cannot group 40 inputs in 32s: q4 -> q4_dense -> dense (the float weights)
     w, b = weights(48, 40)
-    layer = KernelLinear(WeightForms(w, b, "q4"), ("q4", "q4_bf16", "q4_dense", "q4"))
+    layer = KernelLinear(WeightForms(w, b), ("q4", "q4_bf16", "q4_dense", "q4"))
     assert layer.kernels == ("dense",) * 4
     x = torch.randn(3, 40)
     torch.testing.assert_close(layer(x), F.linear(x, w, b))
     # a bfloat16 model's int8 kernel reads 16-bit activations: refused unless K % 32 == 0
     wb = w.to(torch.bfloat16)
-    bf16_layer = KernelLinear(WeightForms(wb, None, "int8"), ("int8",) * 4)
+    bf16_layer = KernelLinear(WeightForms(wb, None), ("int8",) * 4)
     assert bf16_layer.kernels == ("int8_dense",) * 4
 
 
@@ -283,6 +281,42 @@ def test_a_bucket_where_only_refusing_kernels_were_timed_chooses_a_fallback(monk
         return timings
 
     monkeypatch.setattr(lk, "measure", q4_dense_pruned_everywhere)
-    sites = [WeightForms(*weights(48, 64), "q4"), WeightForms(*weights(64, 64), "q4")]
+    sites = [WeightForms(*weights(48, 64)), WeightForms(*weights(64, 64))]
     plan = choose_kernels(sites, candidates("q4", CPU, torch.float32), torch.float32, CPU, None)
     assert plan.choice[(48, 64)] == ("q4_dense",) * 4
+
+
+def _tensors_held(fn, seen=None) -> list[torch.Tensor]:
+    """Every tensor a kernel callable reaches through its closures (bound methods: the
+    module's tensors)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    if isinstance(fn, torch.Tensor):
+        return [fn]
+    if isinstance(fn, nn.Module):
+        return [*fn.parameters(), *fn.buffers()]
+    if hasattr(fn, "__self__"):
+        return _tensors_held(fn.__self__, seen)
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        found += _tensors_held(cell.cell_contents, seen)
+    return found
+
+
+@pytest.mark.parametrize(("quantization", "kernels", "keeps_float"), [
+    ("int8", "int8_dense", False), ("q4", "q4_dense", False), ("q4", "auto", False),
+    ("none", "dense", True),
+])
+def test_a_quantized_layer_keeps_no_float_copy_of_its_weight(quantization, kernels,
+                                                            keeps_float):
+    """Quantized kernels hold only their own forms, never the float weight (a dense kernel
+    reads it, so it holds it)."""
+    model = nn.Sequential(nn.Linear(64, 64))
+    apply_kernels(model, quantization, kernels, CPU, torch.float32, None)
+    held = [t for fn in model[0]._fns for t in _tensors_held(fn)]
+    assert held
+    floats = [t for t in held if t.dtype == torch.float32 and t.shape == (64, 64)]
+    assert bool(floats) == keeps_float
+    assert model[0](torch.randn(3, 64)).shape == (3, 64)

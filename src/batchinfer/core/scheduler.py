@@ -242,7 +242,6 @@ class Scheduler:
         output = SchedulerOutput(finished_request_ids=self._left_ids)
         self._left_ids = []
         self._step_preemptions = 0
-        self.swap_pool.end_step()  # in case the last step's copies were not reported
         self._swap_out, self._swap_in = [], {}
         now = self.clock()
         self._expire_waiting(now)

@@ -147,14 +147,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class WeightForms:
-    """One linear's weight in the forms kernels read, made on demand from the dense weight
-    (`int8` forms quantize it once)."""
+    """One linear's weight in the forms kernels read, each made on demand from the dense
+    weight, once (the kernel name says which form)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str
-                 ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.quantization = quantization
         self._packed: PackedLinear | None = None
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # packed, q, pairs
@@ -184,8 +182,8 @@ class WeightForms:
                                  f"size ({q.shape[1]}) to be a multiple of "
                                  f"{INT8_BF16_K_MULTIPLE}")
             scales = _by_dtype(scale, bf16, self.weight.dtype)
-            return _rows_kernel(lambda rows, dtype: torch._weight_int8pack_mm(
-                rows, q, scales), bias, bf16)
+            return _rows_kernel(lambda rows: torch._weight_int8pack_mm(rows, q, scales),
+                                bias, bf16)
         if name.startswith("q4"):
             if self._q4 is None:
                 q4, pairs = quantize_q4(self.weight)  # ValueError: a shape q4 cannot group
@@ -204,7 +202,7 @@ class WeightForms:
                                  "weight here")
             bf16 = name.endswith("_bf16")
             cast_pairs = _by_dtype(pairs, bf16, self.weight.dtype)
-            return _rows_kernel(lambda rows, dtype: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            return _rows_kernel(lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows, packed, Q4_GROUP_SIZE, cast_pairs), bias, bf16)
         raise ValueError(f"unknown linear kernel {name!r}")
 
@@ -219,16 +217,14 @@ def _by_dtype(t: torch.Tensor, bf16: bool, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rows_kernel(
-    mm: Callable[[torch.Tensor, torch.dtype], torch.Tensor], bias: torch.Tensor | None,
-    bf16: bool,
+    mm: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None, bf16: bool,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A 2-D product `mm(rows, dtype)` as a kernel for `[..., in]` inputs; `bf16` runs it on
+    """A 2-D product `mm(rows)` as a kernel for `[..., in]` inputs; `bf16` runs it on
     activations rounded to bfloat16 and returns the input's dtype."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        dtype = torch.bfloat16 if bf16 else x.dtype
-        out = mm(rows.to(dtype).contiguous(), dtype).to(x.dtype)
+        out = mm(rows.to(torch.bfloat16 if bf16 else x.dtype).contiguous()).to(x.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out.add_(bias)
 
@@ -244,24 +240,10 @@ class KernelLinear(nn.Module):
         self.out_features, self.in_features = forms.weight.shape
         # A kernel that cannot take this weight (a cached or forced choice) runs its fallback.
         self.kernels = tuple(runnable(forms, name) for name in kernels)
+        # The kernels hold the tensors they read; `forms`, and with it every form no chosen
+        # kernel reads (the dense weight too, unless a dense kernel was chosen), is dropped.
+        # Inference only, built on the weights' device: not moved with `.to()` afterwards.
         self._fns = [forms.kernel(name) for name in self.kernels]
-        # Keep the tensors the kernels read reachable from the module (for `.to`, memory
-        # accounting); forms not chosen are dropped with `forms`.
-        kept: list[torch.Tensor] = []
-        if "dense" in self.kernels:
-            kept.append(forms.weight)
-        if forms._packed is not None and "packed" in self.kernels:
-            kept.append(forms._packed.packed_weight)  # type: ignore[arg-type]
-        if forms._int8 is not None and any(k.startswith("int8") for k in self.kernels):
-            kept.extend(forms._int8)
-        if forms._q4 is not None:
-            packed, nibbles, _ = forms._q4
-            if {"q4", "q4_bf16"} & set(self.kernels):
-                kept.append(packed)
-            if "q4_dense" in self.kernels:
-                kept.append(nibbles)
-        for i, tensor in enumerate(kept):
-            self.register_buffer(f"weight_form_{i}", tensor, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
@@ -312,8 +294,8 @@ def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dty
     """Seconds per pass that each kernel spends on each weight shape, per row bucket: passes
     over every site (one linear each, in model order, so weights leave the cache as in a real
     step), a warm-up pass then `PROBE_PASSES` timed ones (median). A kernel pruned
-    (`PRUNE_FACTOR`, `ROW_BOUND`) is infinitely slow there. A shape the kernel refuses runs its fallback in the pass and cannot choose it.
-    Each kernel's converted weights are dropped before the next kernel's are made, so the
+    (`PRUNE_FACTOR`, `ROW_BOUND`) is infinitely slow there. A shape the kernel refuses runs
+    its fallback in the pass and cannot choose it. Each kernel's converted weights are dropped before the next kernel's are made, so the
     model is at most twice in memory."""
     timings: Timings = {name: [] for name in names}
     generator = torch.Generator().manual_seed(0)
@@ -332,9 +314,10 @@ def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dty
                     continue
                 # Where the kernel cannot take a weight, its fallback runs (as it would
                 # in the model), but that shape cannot choose it.
-                fns = [forms.kernel(runnable(forms, name)) for forms in sites]
-                refused = {(f.weight.shape[0], f.weight.shape[1]) for f in sites
-                           if runnable(f, name) != name}
+                taken = [runnable(forms, name) for forms in sites]
+                fns = [forms.kernel(kernel) for forms, kernel in zip(sites, taken, strict=True)]
+                refused = {(f.weight.shape[0], f.weight.shape[1])
+                           for f, kernel in zip(sites, taken, strict=True) if kernel != name}
                 warm[name] = sum(_pass(sites, fns, inputs, rows).values())
                 if warm[name] <= PRUNE_FACTOR * min(warm.values()):
                     passes = [_pass(sites, fns, inputs, rows) for _ in range(PROBE_PASSES)]
@@ -505,17 +488,18 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
         assert isinstance(linear, nn.Linear)
         return linear.weight, linear.bias
 
-    groups = [(quantization, names, site_names)]
+    # (candidate kernels, sites): the kernel names carry the weight form
+    groups = [(names, site_names)]
     if quantization != "none":
-        groups = [(quantization, names, [n for n in site_names if n not in unquantized]),
-                  ("none", kernel_names("none", "auto", device, dtype, allow_packed),
+        groups = [(names, [n for n in site_names if n not in unquantized]),
+                  (kernel_names("none", "auto", device, dtype, allow_packed),
                    [n for n in site_names if n in unquantized])]
     choice: dict[tuple[int, int], tuple[str, ...]] = {}
     sources = []
-    for form, group_names, group in groups:
+    for group_names, group in groups:
         if not group:
             continue
-        sites = [WeightForms(*weight_of(name), form) for name in group]
+        sites = [WeightForms(*weight_of(name)) for name in group]
         plan = choose_kernels(sites, group_names, dtype, device, cache_dir)
         del sites
         sources.append(plan.source)
@@ -526,7 +510,7 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
             parent_name, _, attr = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             shape = (weight.shape[0], weight.shape[1])
-            layer = KernelLinear(WeightForms(weight, bias, form), plan.choice[shape])
+            layer = KernelLinear(WeightForms(weight, bias), plan.choice[shape])
             setattr(parent, attr, layer)
             choice[shape] = layer.kernels  # what runs (a refused choice: its fallback)
             del weight, bias
