@@ -239,6 +239,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="embed path batch size")
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8"),
+                        help="the encoder's weights (int8 only where the probe check keeps it)")
     parser.add_argument("--bf16-texts", type=int, default=16, help="0 skips the bf16 check")
     parser.add_argument("--max-batch-size", type=int, default=32, help="online batcher")
     parser.add_argument("--max-batch-delay-ms", default="5,100",
@@ -254,14 +256,15 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
-    encoder = Encoder("default", dtype=args.dtype)
+    encoder = Encoder("default", dtype=args.dtype, quantization=args.quantization)
     texts = make_texts(encoder, args.num_texts, args.seed)
     lengths = [len(x) for x in encoder.tokenize(texts)]
     result: dict[str, Any] = {"setup": {
         "num_texts": len(texts), "tokens_min": min(lengths), "tokens_max": max(lengths),
         "tokens_mean": statistics.mean(lengths), "repeats": args.repeats, "load": args.load,
         "encoder": f"{encoder.name} {str(encoder.dtype).removeprefix('torch.')} "
-                   f"{encoder.device}",
+                   f"{encoder.device} weights {encoder.quantization}",
+        "probe_cosine": encoder.quantization_cosine,
         "torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
         "max_batch_size": args.max_batch_size, "max_length": encoder.max_length}}
     if not args.skip_offline:

@@ -124,3 +124,28 @@ def test_pooling_configs_match_sentence_transformers_on_a_tiny_bert(
     got = ours.encode_ids(ours.tokenize(texts))
     want = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
     assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
+
+
+def test_int8_weights_kept_when_probe_vectors_stay_close(encoder: Encoder) -> None:
+    quantized = Encoder("default", dtype="float32", device="cpu", quantization="int8",
+                        min_quantized_cosine=0.99)
+    assert quantized.quantization == "int8"
+    assert 0.99 <= quantized.quantization_cosine < 1.0
+    kernels = {k for bucket in quantized.linear_kernels.choice.values() for k in bucket}
+    assert kernels and all(k.startswith("int8") for k in kernels)
+    ours, base = quantized.encode(TEXTS), encoder.encode(TEXTS)
+    assert cosine(ours, base).min() > 0.99
+    assert (ours - base).abs().max() > 1e-5  # the int8 weights really run
+
+
+def test_int8_weights_refused_below_the_cosine_bound(encoder: Encoder,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="batchinfer.models.encoder"):
+        refused = Encoder("default", dtype="float32", device="cpu", quantization="int8",
+                          min_quantized_cosine=0.999999)
+    assert refused.quantization == "none"
+    assert refused.quantization_cosine < 0.999999
+    assert "int8 weights refused" in caplog.text
+    assert (refused.encode(TEXTS) - encoder.encode(TEXTS)).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="quantization"):
+        Encoder("default", quantization="q4")

