@@ -8,17 +8,18 @@ import sys
 
 # Subcommand modules; each defines `register(subparsers)` which adds its parser and sets
 # `func(args) -> int` as the default handler.
-SUBCOMMANDS = ("generate", "serve", "embed", "bench")
+SUBCOMMANDS = ("generate", "serve", "embed", "run-batch", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchinfer", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
+        module_name = f"batchinfer.cli.{name.replace('-', '_')}"
         try:
-            module = importlib.import_module(f"batchinfer.cli.{name}")
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != f"batchinfer.cli.{name}":
+            if exc.name != module_name:
                 raise
             continue
         module.register(subparsers)

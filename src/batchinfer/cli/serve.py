@@ -32,6 +32,10 @@ def _bytes(text: str) -> int:
     return parse_bytes("max_request_bytes", text)
 
 
+def _file_bytes(text: str) -> int:
+    return parse_bytes("batch_max_file_bytes", text)
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -45,8 +49,8 @@ def register(subparsers: Any) -> None:
     server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     server.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on every route but /health "
-                        "and /metrics "
-                        f"(default: ${API_KEY_ENV} if set)")
+                        "and /metrics; several keys separated by commas each own their batches "
+                        f"and files (default: ${API_KEY_ENV} if set)")
     server.add_argument("--served-model-name", default=None,
                         help="model id in the API (default: the model's name); 'default' is "
                         "always accepted too")
@@ -92,6 +96,14 @@ def register(subparsers: Any) -> None:
     server.add_argument("--embedding-max-queue-size", type=int, default=encoder.max_queue_size,
                         help="encoder batcher: most items waiting; beyond: HTTP 429 "
                         f"(default: {encoder.max_queue_size})")
+    batch = parser.add_argument_group("Batch API (/v1/files, /v1/batches)")
+    batch.add_argument("--batch-dir", default=None,
+                       help="SQLite database and file bodies of the Batch API (default: "
+                       "$BATCHINFER_CACHE/batches); one server per directory")
+    batch.add_argument("--batch-max-file-bytes", type=_file_bytes, default=200 << 20,
+                       help="largest upload to /v1/files (accepts 512K, 1G; default: 200M)")
+    batch.add_argument("--batch-max-in-flight", type=int, default=256,
+                       help="batch lines running at once, all jobs together (default: 256)")
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     server.add_argument("--print-config", action="store_true",
@@ -110,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         embedding_model=args.embedding_model,
         embedding_quantization=args.embedding_quantization,
+        batch_dir=args.batch_dir,
+        batch_max_file_bytes=args.batch_max_file_bytes,
+        batch_max_in_flight=args.batch_max_in_flight,
         shutdown_timeout_s=args.shutdown_timeout,
         max_client_batch_size=args.max_client_batch_size,
         embedding_batcher=dataclasses.replace(

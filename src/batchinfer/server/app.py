@@ -17,7 +17,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -40,6 +41,9 @@ from batchinfer.server.protocol import (
 )
 from batchinfer.server.serving import RETRY_AFTER_S, OpenAIServing
 
+if TYPE_CHECKING:
+    from batchinfer.server.batches import BatchAPI
+
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_ALIAS = "default"
 UNGUARDED_PATHS = ("/health", "/metrics", "/version")
@@ -49,6 +53,7 @@ CUT_MARGIN_S = 0.5
 # Without the API key, only these answer: probes and scrapers carry no key. Everything else
 # (/v1/*, /tokenize, /detokenize, /version, /docs, /openapi.json) costs work or shows the API.
 OPEN_PATHS = ("/health", "/metrics")
+UPLOAD_PATH = "/v1/files"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +61,7 @@ class ServerConfig:
     """Server knobs (the engine's are `EngineConfig`); `ValueError` names a bad field."""
 
     served_model_name: str | None = None  # default: the loaded model's name
-    api_key: str | None = None
+    api_key: str | None = None  # one key, or several separated by commas (each owns its batches)
     max_num_queued_requests: int = 1024
     max_request_bytes: int = 1 << 20
     embedding_model: str | None = None
@@ -66,6 +71,14 @@ class ServerConfig:
     # After a drain signal, requests still running this long before the server stops waiting
     # for them are cut (each ends cleanly: finish_reason "abort"); None: never cut.
     shutdown_timeout_s: float | None = None
+    # The Batch API's SQLite database and file bodies; None: $BATCHINFER_CACHE/batches.
+    batch_dir: str | None = None
+    batch_max_file_bytes: int = 200 << 20  # largest upload to /v1/files
+    batch_max_in_flight: int = 256  # batch lines running at once, all jobs together
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
     def __post_init__(self) -> None:
         if self.shutdown_timeout_s is not None:
@@ -73,6 +86,10 @@ class ServerConfig:
         check_int("max_num_queued_requests", self.max_num_queued_requests)
         check_int("max_client_batch_size", self.max_client_batch_size)
         check_int("max_request_bytes", self.max_request_bytes)
+        check_int("batch_max_file_bytes", self.batch_max_file_bytes)
+        check_int("batch_max_in_flight", self.batch_max_in_flight)
+        if self.api_key is not None and not self.api_keys:
+            raise ValueError("api_key must hold at least one non-empty key")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
 
@@ -93,6 +110,35 @@ class ServerState:
         self.draining = False
         self.on_fatal: Callable[[], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.batch_api: BatchAPI | None = None
+        self.batch_error = "the Batch API is starting"
+
+    def open_batch_api(self, app: FastAPI) -> None:
+        """Open the Batch API's store and resume the jobs left unfinished; a store held by
+        another server leaves the API off (503 with the reason), the rest of the server on."""
+        from batchinfer.models.loader import default_cache_dir
+        from batchinfer.server.batches import BatchAPI
+
+        root = Path(self.config.batch_dir) if self.config.batch_dir else \
+            default_cache_dir() / "batches"
+        try:
+            self.batch_api = BatchAPI(root, app, self.config.batch_max_in_flight,
+                                      self.wait_ready)
+        except (ValueError, OSError) as exc:
+            self.batch_error = f"the Batch API is off: {exc}"
+            logger.warning("%s", self.batch_error)
+            return
+        self.batch_api.manager.start()
+
+    def get_batch_api(self) -> BatchAPI:
+        if self.batch_api is None:
+            raise APIError(503, self.batch_error, code="batch_api_unavailable")
+        return self.batch_api
+
+    async def wait_ready(self) -> None:
+        """Until the model is loaded (forever, if loading failed: no batch line can run)."""
+        while not self.ready or self.load_error is not None:
+            await asyncio.sleep(0.2)
 
     def begin_drain(self) -> None:
         """Stop admitting requests (503); running ones go on, until just before the shutdown
@@ -100,6 +146,9 @@ class ServerState:
         with finish_reason "abort" and [DONE]) before the server closes its connections.
         Safe to call from a signal handler."""
         self.draining = True
+        if self.batch_api is not None and self.loop is not None:
+            # Batch jobs stop first (their unfinished lines rerun at the next start).
+            self.loop.call_soon_threadsafe(asyncio.ensure_future, self.batch_api.manager.close())
         timeout_s = self.config.shutdown_timeout_s
         if timeout_s is not None and self.loop is not None:
             delay_s = max(0.0, timeout_s - min(CUT_MARGIN_S, timeout_s / 4))
@@ -156,6 +205,8 @@ class ServerState:
 
     async def close(self) -> None:
         self.draining = True
+        if self.batch_api is not None:
+            await self.batch_api.close()
         if self.llm is not None:
             self.llm.shutdown()
         if self.embeddings.target is not None:
@@ -202,6 +253,7 @@ def build_app(
         loop = state.loop = asyncio.get_running_loop()
         threading.Thread(target=state.load, args=(loop,), name="batchinfer-load",
                          daemon=True).start()
+        state.open_batch_api(app)
         yield
         await state.close()
 
@@ -213,6 +265,9 @@ def build_app(
 
         app.include_router(make_embeddings_router(state.embeddings))  # type: ignore[arg-type]
     _add_routes(app, state)
+    from batchinfer.server.batches import make_batch_router
+
+    app.include_router(make_batch_router(state.get_batch_api, config.batch_max_file_bytes))
     app.add_middleware(RequestGuard, state=state)
     return app
 
@@ -295,8 +350,11 @@ class RequestGuard:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
-        key = state.config.api_key
-        self._expected_auth = f"Bearer {key}".encode() if key else None
+        # Authorization header -> owner of what it creates (a digest of the key)
+        from batchinfer.server.batches import owner_digest
+
+        self._owners = {f"Bearer {key}".encode(): owner_digest(key)
+                        for key in state.config.api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -307,8 +365,11 @@ class RequestGuard:
         scope.setdefault("state", {})["request_id"] = request_id
         send = _with_request_id(send, request_id)
         path: str = scope["path"]
-        error = self._check(path, headers)
-        if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+        error = self._check(path, headers, scope["state"])
+        if error is None and path == UPLOAD_PATH and scope["method"] == "POST":
+            # A multipart upload, streamed to disk by the route: only its size is bounded here.
+            error, receive = self._bound_upload(headers, receive)
+        elif error is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body, error = await self._read_body(headers, receive)
             receive = _replay(body, receive)
             _as_json(scope, headers)
@@ -317,15 +378,42 @@ class RequestGuard:
             return
         await self.app(scope, receive, send)
 
-    def _check(self, path: str, headers: Headers) -> Response | None:
-        if self._expected_auth is not None and path not in OPEN_PATHS:
-            given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, self._expected_auth):
+    def _check(self, path: str, headers: Headers, scope_state: dict[str, Any]
+               ) -> Response | None:
+        given = headers.get("authorization", "").encode()
+        batch_api = self.state.batch_api
+        if batch_api is not None and hmac.compare_digest(given,
+                                                         f"Bearer {batch_api.token}".encode()):
+            scope_state["owner"] = ""  # the server's own batch jobs
+        elif self._owners and path not in OPEN_PATHS:
+            owner = next((o for auth, o in self._owners.items()
+                          if hmac.compare_digest(given, auth)), None)
+            if owner is None:
                 return error_response(401, "missing or wrong API key: send "
                                       "'Authorization: Bearer <key>'", code="invalid_api_key")
+            scope_state["owner"] = owner
         if self.state.draining and path not in UNGUARDED_PATHS:
             return error_response(503, "the server is shutting down", code="shutting_down")
         return None
+
+    def _bound_upload(self, headers: Headers, receive: Receive
+                      ) -> tuple[Response | None, Receive]:
+        limit = self.state.config.batch_max_file_bytes
+        message = f"the upload exceeds {limit} bytes (--batch-max-file-bytes)"
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit + (64 << 10):
+            return error_response(413, message, code="file_too_large"), receive
+        received = 0
+
+        async def bounded() -> Message:
+            nonlocal received
+            event = await receive()
+            received += len(event.get("body", b""))
+            if received > limit + (64 << 10):  # the file plus its multipart headers
+                raise APIError(413, message, code="file_too_large")
+            return event
+
+        return None, bounded
 
     async def _read_body(self, headers: Headers, receive: Receive) -> tuple[bytes, Response | None]:
         limit = self.state.config.max_request_bytes

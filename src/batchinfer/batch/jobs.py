@@ -1,0 +1,248 @@
+"""Batch jobs inside `batchinfer serve`: validate, run in the background class, finalize.
+
+A job's life (OpenAI's statuses): `validating` (the input file is read once: line count,
+duplicate custom_ids fail the batch) -> `in_progress` (lines run through the server's own
+routes with `service_tier: batch` / `lane: batch`, so the scheduler serves interactive traffic
+first; answers are appended to `output.jsonl` (2xx) or `errors.jsonl` in input order) ->
+`finalizing` (the two files become `batch_output` files) -> `completed`. `cancelling` ->
+`cancelled` keeps what finished; a passed `completion_window` -> `expired`, the lines not run
+answered with `batch_expired`. A server stopped or killed mid-job resumes it at start-up:
+the lines already in its files are skipped, so no finished answer is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from batchinfer.batch.executor import AppClient, run_lines
+from batchinfer.batch.lines import BatchLine
+from batchinfer.batch.offline import pending_lines, read_resume, survey
+from batchinfer.batch.store import BatchStore, new_id
+
+logger = logging.getLogger(__name__)
+
+WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+RETRY_STATUSES = (429, 503)  # the server's queue is full or timed out: wait, don't fail
+SAVE_EVERY_S = 0.25
+EXPIRED_ERROR = {"code": "batch_expired",
+                 "message": "This request could not be executed before the completion window "
+                            "expired."}
+
+
+def parse_window(window: str) -> int:
+    """'24h' -> seconds; `ValueError` naming `completion_window`."""
+    match = re.fullmatch(r"(\d+)([smhd])", window) if isinstance(window, str) else None
+    if match is None or int(match[1]) == 0:
+        raise ValueError(f"completion_window must be a duration such as '24h' (units s, m, h, "
+                         f"d), got {window!r}")
+    return int(match[1]) * WINDOW_UNITS[match[2]]
+
+
+class BatchManager:
+    """Runs the server's batch jobs; every method is called on the event loop."""
+
+    def __init__(self, store: BatchStore, client: AppClient, max_in_flight: int,
+                 ready: Callable[[], Awaitable[None]]) -> None:
+        self.store = store
+        self.client = client
+        self.max_in_flight = max_in_flight
+        self.ready = ready
+        self._slots = asyncio.Semaphore(max_in_flight)  # lines in flight, all jobs together
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stops: dict[str, asyncio.Event] = {}
+        self._reasons: dict[str, str] = {}  # why a job was stopped: cancel | expired | shutdown
+
+    def start(self) -> None:
+        """Resume the jobs a previous run of the server left unfinished."""
+        for batch in self.store.active_batches():
+            logger.info("batch %s: resuming (%s)", batch["id"], batch["status"])
+            self._launch(batch["id"])
+
+    def create(self, owner: str, input_file_id: str, endpoint: str, window: str,
+               metadata: dict[str, str] | None) -> dict[str, Any]:
+        now = int(time.time())
+        batch: dict[str, Any] = {
+            "id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
+            "input_file_id": input_file_id, "completion_window": window,
+            "status": "validating", "output_file_id": None, "error_file_id": None,
+            "created_at": now, "in_progress_at": None, "expires_at": now + parse_window(window),
+            "finalizing_at": None, "completed_at": None, "failed_at": None,
+            "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata,
+        }
+        self.store.add_batch(batch, owner)
+        self._launch(batch["id"])
+        return batch
+
+    def cancel(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Ask a validating or running job to stop; it keeps what finished."""
+        batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
+        self.store.save_batch(batch)
+        self._stop(batch["id"], "cancel")
+        return batch
+
+    async def close(self) -> None:
+        """Stop every job (each stays resumable) and wait for them."""
+        for batch_id in list(self._tasks):
+            self._stop(batch_id, "shutdown")
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def _stop(self, batch_id: str, reason: str) -> None:
+        if batch_id in self._stops:
+            self._reasons.setdefault(batch_id, reason)
+            self._stops[batch_id].set()
+
+    def _launch(self, batch_id: str) -> None:
+        self._stops[batch_id] = asyncio.Event()
+        task = asyncio.ensure_future(self._run(batch_id))
+        self._tasks[batch_id] = task
+
+        def forget(_: asyncio.Task[None]) -> None:
+            self._tasks.pop(batch_id, None)
+            self._stops.pop(batch_id, None)
+            self._reasons.pop(batch_id, None)
+
+        task.add_done_callback(forget)
+
+    async def _run(self, batch_id: str) -> None:
+        batch = self.store.get_batch(batch_id, None)
+        assert batch is not None
+        try:
+            await self._advance(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a job that cannot go on fails alone, with the reason
+            logger.exception("batch %s failed", batch_id)
+            self._fail(batch, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    async def _advance(self, batch: dict[str, Any]) -> None:
+        owner = self.store.owner_of(batch["id"])
+        if batch["status"] == "cancelling":
+            self._finish(batch, owner, "cancelled")
+            return
+        if batch["status"] == "finalizing":
+            self._finish(batch, owner, "completed")
+            return
+        path = self.store.file_path(batch["input_file_id"], owner)
+        if path is None:
+            self._fail(batch, "missing_file", "the input file was deleted")
+            return
+        if batch["status"] == "validating":
+            try:
+                found = await asyncio.to_thread(survey, path)
+            except ValueError as exc:
+                self._fail(batch, "invalid_file", str(exc).replace(f"{path}: ", ""))
+                return
+            if self._reasons.get(batch["id"]) == "cancel":
+                self._finish(batch, owner, "cancelled")
+                return
+            batch["request_counts"]["total"] = found.num_lines
+            batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
+            self.store.save_batch(batch)
+        await self._run_lines(batch, owner, path)
+
+    async def _run_lines(self, batch: dict[str, Any], owner: str, path: Path) -> None:
+        batch_id = batch["id"]
+        stop = self._stops[batch_id]
+        job = self.store.job_dir(batch_id)
+        done_ok, done_failed = read_resume(job / "output.jsonl"), read_resume(job / "errors.jsonl")
+        counts = batch["request_counts"]
+        counts["completed"], counts["failed"] = done_ok.num_done, done_failed.num_done
+        expire = asyncio.get_running_loop().call_later(
+            max(0.0, batch["expires_at"] - time.time()), self._stop, batch_id, "expired")
+        await self.ready()
+        last_save = time.monotonic()
+        with open(job / "output.jsonl", "a", encoding="utf-8") as output, \
+                open(job / "errors.jsonl", "a", encoding="utf-8") as errors:
+
+            def write(line: BatchLine, result: dict[str, Any]) -> None:
+                nonlocal last_save
+                ok = 200 <= result["response"]["status_code"] < 300
+                sink = output if ok else errors
+                sink.write(json.dumps(result, ensure_ascii=False) + "\n")
+                sink.flush()
+                counts["completed" if ok else "failed"] += 1
+                if time.monotonic() - last_save >= SAVE_EVERY_S:
+                    self.store.save_batch(batch)
+                    last_save = time.monotonic()
+
+            try:
+                await run_lines(pending_lines(path, done_ok.merge(done_failed),
+                                              batch["endpoint"]),
+                                self._handler(stop), write, self.max_in_flight, stop)
+            finally:
+                expire.cancel()
+                self.store.save_batch(batch)
+            reason = self._reasons.get(batch_id)
+            if reason == "expired":
+                answered = read_resume(job / "output.jsonl").merge(
+                    read_resume(job / "errors.jsonl"))
+                for line in pending_lines(path, answered):
+                    errors.write(json.dumps({"id": new_id("batch_req_"),
+                                             "custom_id": line.custom_id, "response": None,
+                                             "error": EXPIRED_ERROR}) + "\n")
+                    counts["failed"] += 1
+        if reason == "shutdown":
+            return  # stays in_progress: the next start resumes it
+        if reason == "cancel":
+            self._finish(batch, owner, "cancelled")
+            return
+        if reason == "expired":
+            self._finish(batch, owner, "expired")
+            return
+        batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
+        self.store.save_batch(batch)
+        self._finish(batch, owner, "completed")
+
+    def _handler(self, stop: asyncio.Event) -> Callable[..., Awaitable[tuple[int, Any, Any]]]:
+        async def handle(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
+            body = {**body, "lane" if url == "/v1/embeddings" else "service_tier": "batch"}
+            async with self._slots:
+                while True:
+                    status, payload, request_id = await self.client(url, body)
+                    code = (payload.get("error") or {}).get("code") \
+                        if isinstance(payload, dict) else None
+                    if code == "shutting_down":
+                        await stop.wait()  # the job is being stopped: this line reruns later
+                        raise asyncio.CancelledError
+                    if status not in RETRY_STATUSES or code == "model_not_found":
+                        return status, payload, request_id
+                    await asyncio.sleep(1.0)  # the queue is full of interactive work
+
+        return handle
+
+    def _finish(self, batch: dict[str, Any], owner: str, status: str) -> None:
+        """Register the job's output and error files, then set the final `status`."""
+        job = self.store.job_dir(batch["id"])
+        for key, name in (("output_file_id", "output"), ("error_file_id", "errors")):
+            path = job / f"{name}.jsonl"
+            if batch[key] is None and path.exists() and path.stat().st_size:
+                file = self.store.add_file(new_id("file-"), owner, "batch_output",
+                                           f"{batch['id']}_{name}.jsonl", path)
+                batch[key] = file["id"]
+        self._set_status(batch, status)
+
+    def _fail(self, batch: dict[str, Any], code: str, message: str) -> None:
+        batch["errors"] = {"object": "list", "data": [
+            {"code": code, "message": message, "param": None, "line": _line_of(message)}]}
+        self._set_status(batch, "failed")
+
+    def _set_status(self, batch: dict[str, Any], status: str) -> None:
+        batch["status"] = status
+        batch[f"{status}_at"] = int(time.time())
+        self.store.save_batch(batch)
+        logger.info("batch %s: %s (%s)", batch["id"], status, batch["request_counts"])
+
+
+def _line_of(message: str) -> int | None:
+    match = re.search(r"lines? (\d+)", message)
+    return int(match[1]) if match else None
+

@@ -1,0 +1,230 @@
+"""The Batch API over real HTTP with the official `openai` client: upload, create, poll,
+results matched by custom_id, bad lines in the error file, duplicate custom_ids, cancel,
+per-key ownership, pagination, and a server SIGKILLed mid-batch that resumes on restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from batchinfer.core.config import EngineConfig
+from batchinfer.server.app import ServerConfig, build_app
+from tests.test_server import ENGINE, free_port, metric, run_server, slow_steps, wait_for
+from tests.tiny_models import make_tiny_llama
+
+KEYS = ("key-one", "key-two")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_llama(tmp_path_factory.mktemp("batch-api")))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    app = build_app(EngineConfig.from_kwargs(model=model_dir, max_num_seqs=4, **ENGINE),
+                    ServerConfig(api_key=",".join(KEYS),
+                                 batch_dir=str(tmp_path_factory.mktemp("batches"))))
+    with run_server(app) as url:
+        yield url, app
+
+
+def client(url: str, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def line(custom_id: str, max_tokens: int = 4, url: str = "/v1/completions", **body) -> str:
+    body = {"model": "default", "prompt": f"text of {custom_id}", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def submit(api: openai.OpenAI, lines: list[str], **kwargs):
+    upload = api.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()),
+                              purpose="batch")
+    return api.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                              completion_window="24h", **kwargs)
+
+
+def wait_status(api: openai.OpenAI, batch_id: str, statuses: tuple[str, ...],
+                timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = api.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+        time.sleep(0.1)
+
+
+def rows(api: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in api.files.content(file_id).text.splitlines()]
+
+
+def test_batch_end_to_end(server) -> None:
+    url, _ = server
+    api = client(url)
+    lines = [line(f"r{i}", max_tokens=1 + i % 4) for i in range(10)]
+    lines.insert(2, "{broken")
+    lines.insert(4, line("elsewhere", url="/v1/chat/completions"))
+    lines.insert(6, line("negative", max_tokens=-2))
+    before = metric(url, 'batchinfer_e2e_request_latency_seconds_count{priority_class="batch"}')
+    batch = submit(api, lines, metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    done = wait_status(api, batch.id, ("completed", "failed"))
+    assert done.status == "completed", done.errors
+    assert done.request_counts.total == 13
+    assert (done.request_counts.completed, done.request_counts.failed) == (10, 3)
+    assert all(getattr(done, f"{s}_at") for s in ("in_progress", "finalizing", "completed"))
+    output = rows(api, done.output_file_id)
+    assert [r["custom_id"] for r in output] == [f"r{i}" for i in range(10)]  # input order
+    for i, row in enumerate(output):
+        body = row["response"]["body"]
+        assert row["response"]["status_code"] == 200 and row["id"].startswith("batch_req_")
+        assert body["usage"]["completion_tokens"] == 1 + i % 4
+    # The same request sent directly gets the same greedy text.
+    direct = api.completions.create(model="default", prompt="text of r3", max_tokens=4,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert output[3]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+    errors = {r["custom_id"]: r["response"] for r in rows(api, done.error_file_id)}
+    assert errors[None]["status_code"] == 400 and "not valid JSON" in \
+        errors[None]["body"]["error"]["message"]
+    assert errors["elsewhere"]["body"]["error"]["param"] == "url"
+    assert errors["negative"]["body"]["error"]["param"] == "max_tokens"
+    # The lines ran in the background class.
+    after = metric(url, 'batchinfer_e2e_request_latency_seconds_count{priority_class="batch"}')
+    assert after - before == 10
+    file = api.files.retrieve(done.output_file_id)
+    assert file.purpose == "batch_output" and file.bytes > 0
+
+
+def test_duplicate_custom_id_fails_the_batch(server) -> None:
+    api = client(server[0])
+    batch = submit(api, [line("a"), line("b"), line("a")])
+    done = wait_status(api, batch.id, ("completed", "failed"))
+    assert done.status == "failed" and done.output_file_id is None
+    (error,) = done.errors.data
+    assert error.code == "invalid_file" and error.line == 1
+    assert "custom_id 'a' appears on lines 1 and 3" in error.message
+
+
+def test_cancel_mid_run_keeps_what_finished(server) -> None:
+    url, app = server
+    api = client(url)
+    engine = app.state.server.llm
+    runner = engine.engine.core.runner
+    execute = runner.execute
+    slow_steps(app, 0.02)
+    try:
+        batch = submit(api, [line(f"c{i}", max_tokens=24) for i in range(40)])
+        wait_for(lambda: api.batches.retrieve(batch.id).request_counts.completed >= 2,
+                 timeout_s=60)
+        cancelling = api.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = wait_status(api, batch.id, ("cancelled",))
+    finally:
+        runner.execute = execute
+    assert 2 <= done.request_counts.completed < 40 and done.cancelled_at
+    assert len(rows(api, done.output_file_id)) == done.request_counts.completed
+    wait_for(lambda: engine.num_unfinished_requests == 0, timeout_s=10)  # in-flight aborted
+    with pytest.raises(openai.ConflictError):
+        api.batches.cancel(batch.id)
+
+
+def test_objects_belong_to_their_key_and_list_pages(server) -> None:
+    url, _ = server
+    mine, theirs = client(url, KEYS[0]), client(url, KEYS[1])
+    first = submit(theirs, [line("x")])
+    second = submit(theirs, [line("y")])
+    with pytest.raises(openai.NotFoundError):
+        mine.batches.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        mine.files.retrieve(first.input_file_id)
+    with pytest.raises(openai.BadRequestError):  # another key's file cannot be a batch input
+        mine.batches.create(input_file_id=first.input_file_id, endpoint="/v1/completions",
+                            completion_window="24h")
+    page = theirs.batches.list(limit=1)
+    assert [b.id for b in page.data] == [second.id] and page.has_more
+    assert [b.id for b in theirs.batches.list(limit=1, after=second.id).data] == [first.id]
+    assert first.id not in [b.id for b in mine.batches.list(limit=100).data]
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "wrong").batches.list()
+    # An input file in use cannot be deleted; afterwards it can.
+    wait_status(theirs, second.id, ("completed",))
+    assert theirs.files.delete(second.input_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        theirs.files.content(second.input_file_id)
+
+
+def test_bad_requests_get_openai_errors(server) -> None:
+    url, _ = server
+    api = client(url)
+    upload = api.files.create(file=("x.jsonl", b'{"a": 1}\n'), purpose="batch")
+    for kwargs, param in (({"endpoint": "/v1/images"}, "endpoint"),
+                          ({"completion_window": "soon"}, "completion_window")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.batches.create(**{"input_file_id": upload.id, "endpoint": "/v1/completions",
+                                  "completion_window": "24h", **kwargs})
+        assert caught.value.body["param"] == param
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    r = httpx.post(f"{url}/v1/files", headers=auth, data={"purpose": "fine-tune"},
+                   files={"file": ("x.jsonl", b"{}\n")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+    r = httpx.get(f"{url}/v1/batches?limit=0", headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+def test_sigkill_mid_batch_then_restart_resumes(model_dir: str, tmp_path: Path) -> None:
+    batch_dir = tmp_path / "batches"
+
+    def start() -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "batchinfer.cli.main", "serve", "--model", model_dir,
+             "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16M",
+             "--max-num-seqs", "2", "--batch-dir", str(batch_dir), "--batch-max-in-flight",
+             "2"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(url) or process.poll() is not None, timeout_s=120)
+        assert process.poll() is None
+        return process, url
+
+    process, url = start()
+    try:
+        api = client(url)
+        batch = submit(api, [line(f"k{i}", max_tokens=16) for i in range(40)])
+        output = batch_dir / "batches" / batch.id / "output.jsonl"
+        wait_for(lambda: output.exists() and len(output.read_text().splitlines()) >= 4,
+                 timeout_s=60)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(30)
+        kept = [json.loads(x) for x in output.read_text().splitlines()]
+        assert 4 <= len(kept) < 40
+        process, url = start()
+        api = client(url)
+        done = wait_status(api, batch.id, ("completed",), timeout_s=120)
+        final = rows(api, done.output_file_id)
+    finally:
+        process.kill()
+        process.wait(30)
+    assert done.request_counts.completed == 40 and done.request_counts.failed == 0
+    assert [r["custom_id"] for r in final] == [f"k{i}" for i in range(40)]  # each once
+    assert final[:len(kept)] == kept  # nothing finished before the kill was redone
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
