@@ -228,3 +228,52 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_expired_window_answers_the_rest_with_batch_expired(server) -> None:
+    url, app = server
+    api = client(url)
+    runner = app.state.server.llm.engine.core.runner
+    execute = runner.execute
+    slow_steps(app, 0.05)
+    try:
+        upload = api.files.create(file=("in.jsonl", ("\n".join(
+            line(f"e{i}", max_tokens=16) for i in range(30)) + "\n").encode()),
+            purpose="batch")
+        batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                   completion_window="2s")
+        done = wait_status(api, batch.id, ("expired", "completed"), timeout_s=60)
+    finally:
+        runner.execute = execute
+    assert done.status == "expired" and done.expired_at
+    counts = done.request_counts
+    assert counts.total == 30 and counts.completed < 30
+    assert counts.completed + counts.failed == 30
+    expired = [r for r in rows(api, done.error_file_id) if r["error"]]
+    assert len(expired) == counts.failed and expired[0]["response"] is None
+    assert {r["error"]["code"] for r in expired} == {"batch_expired"}
+    answered = {r["custom_id"] for r in rows(api, done.output_file_id)}
+    assert answered.isdisjoint(r["custom_id"] for r in expired)
+
+
+def test_upload_size_limit(model_dir: str, tmp_path: Path) -> None:
+    app = build_app(EngineConfig.from_kwargs(model=model_dir, **ENGINE),
+                    ServerConfig(batch_dir=str(tmp_path), batch_max_file_bytes=1000))
+    with run_server(app) as url:
+        small = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},
+                           files={"file": ("a.jsonl", b"x" * 900)})
+        assert small.status_code == 200 and small.json()["bytes"] == 900
+        big = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},
+                         files={"file": ("b.jsonl", b"x" * 200_000)})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "file_too_large"
+        over = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},  # caught by the route
+                          files={"file": ("c.jsonl", b"x" * 2000)})
+        assert over.status_code == 413 and not list((tmp_path / "files").iterdir())[1:]
+        # A second server on the same directory leaves its Batch API off, and says why.
+        other = build_app(EngineConfig.from_kwargs(model=model_dir, **ENGINE),
+                          ServerConfig(batch_dir=str(tmp_path)))
+        with run_server(other) as other_url:
+            r = httpx.get(f"{other_url}/v1/batches")
+            assert r.status_code == 503 and "in use by another server" in \
+                r.json()["error"]["message"]
+            assert httpx.get(f"{url}/v1/batches").status_code == 200

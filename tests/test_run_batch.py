@@ -115,3 +115,16 @@ def test_resume_after_a_kill_skips_answered_lines(tmp_path: Path, model: Path) -
     # Rerunning a finished output answers nothing more.
     assert main(["run-batch", "-i", str(source), "-o", str(target), *flags(model)]) == 0
     assert read(target) == rows
+
+
+def test_embeddings_lines_load_the_encoder(tmp_path: Path, model: Path) -> None:
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join([
+        request("vec", url="/v1/embeddings", input=["a cat", "a dog"]),
+        request("text", max_tokens=2)]) + "\n")
+    assert main(["run-batch", "-i", str(source), "-o", str(target), *flags(model)]) == 0
+    vec, text = read(target)
+    data = vec["response"]["body"]["data"]
+    assert vec["response"]["status_code"] == 200 and [len(d["embedding"]) for d in data] == \
+        [384, 384]
+    assert text["response"]["body"]["usage"]["completion_tokens"] == 2

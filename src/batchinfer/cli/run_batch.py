@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     rate = counts.output_tokens / max(1e-9, result.elapsed_s)
     print(f"run-batch: {result.num_lines} lines, {result.skipped} already answered, "
           f"{counts.completed} completed, {counts.failed} failed; {counts.output_tokens} output "
-          f"tokens in {result.elapsed_s:.1f} s ({rate:.1f} tok/s) -> {args.output_file}",
+          f"tokens in {result.elapsed_s:.1f} s ({rate:.1f} tok/s) after a {result.load_s:.1f} s "
+          f"load -> {args.output_file}",
           file=sys.stderr)
     return 0
