@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     app = build_app(EngineConfig.from_kwargs(model=model_dir, max_num_seqs=4, **ENGINE),
-                    ServerConfig(api_key=",".join(KEYS),
+                    ServerConfig(api_key=",".join(KEYS), batch_api=True,
                                  batch_dir=str(tmp_path_factory.mktemp("batches"))))
     with run_server(app) as url:
         yield url, app
@@ -135,7 +135,8 @@ def test_cancel_mid_run_keeps_what_finished(server) -> None:
         done = wait_status(api, batch.id, ("cancelled",))
     finally:
         runner.execute = execute
-    assert 2 <= done.request_counts.completed < 40 and done.cancelled_at
+    assert 2 <= done.request_counts.completed < 40
+    assert done.cancelling_at and done.cancelled_at >= done.cancelling_at
     assert len(rows(api, done.output_file_id)) == done.request_counts.completed
     wait_for(lambda: engine.num_unfinished_requests == 0, timeout_s=10)  # in-flight aborted
     with pytest.raises(openai.ConflictError):
@@ -158,6 +159,14 @@ def test_objects_belong_to_their_key_and_list_pages(server) -> None:
     assert [b.id for b in page.data] == [second.id] and page.has_more
     assert [b.id for b in theirs.batches.list(limit=1, after=second.id).data] == [first.id]
     assert first.id not in [b.id for b in mine.batches.list(limit=100).data]
+    for call in (lambda: mine.batches.cancel(first.id),
+                 lambda: mine.files.content(first.input_file_id),
+                 lambda: mine.files.delete(first.input_file_id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    listed = [f.id for f in theirs.files.list(purpose="batch")]
+    assert {first.input_file_id, second.input_file_id} <= set(listed)
+    assert first.input_file_id not in [f.id for f in mine.files.list()]
     with pytest.raises(openai.AuthenticationError):
         client(url, "wrong").batches.list()
     # An input file in use cannot be deleted; afterwards it can.
@@ -256,9 +265,20 @@ def test_expired_window_answers_the_rest_with_batch_expired(server) -> None:
     assert answered.isdisjoint(r["custom_id"] for r in expired)
 
 
+def test_batch_api_is_off_unless_asked(model_dir: str) -> None:
+    """An app built in process (run-batch, an embedding) never opens a server's job store."""
+    from fastapi.testclient import TestClient
+
+    app = build_app(EngineConfig.from_kwargs(model=model_dir, **ENGINE), ServerConfig())
+    with TestClient(app) as http:
+        r = http.get("/v1/batches")
+        assert r.status_code == 503 and "off on this server" in r.json()["error"]["message"]
+
+
 def test_upload_size_limit(model_dir: str, tmp_path: Path) -> None:
     app = build_app(EngineConfig.from_kwargs(model=model_dir, **ENGINE),
-                    ServerConfig(batch_dir=str(tmp_path), batch_max_file_bytes=1000))
+                    ServerConfig(batch_api=True, batch_dir=str(tmp_path),
+                                 batch_max_file_bytes=1000))
     with run_server(app) as url:
         small = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},
                            files={"file": ("a.jsonl", b"x" * 900)})
@@ -271,7 +291,7 @@ def test_upload_size_limit(model_dir: str, tmp_path: Path) -> None:
         assert over.status_code == 413 and not list((tmp_path / "files").iterdir())[1:]
         # A second server on the same directory leaves its Batch API off, and says why.
         other = build_app(EngineConfig.from_kwargs(model=model_dir, **ENGINE),
-                          ServerConfig(batch_dir=str(tmp_path)))
+                          ServerConfig(batch_api=True, batch_dir=str(tmp_path)))
         with run_server(other) as other_url:
             r = httpx.get(f"{other_url}/v1/batches")
             assert r.status_code == 503 and "in use by another server" in \

@@ -128,3 +128,44 @@ def test_embeddings_lines_load_the_encoder(tmp_path: Path, model: Path) -> None:
     assert vec["response"]["status_code"] == 200 and [len(d["embedding"]) for d in data] == \
         [384, 384]
     assert text["response"]["body"]["usage"]["completion_tokens"] == 2
+
+
+def test_lines_json_cannot_carry_are_answered_alone(tmp_path: Path, model: Path) -> None:
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join([
+        '{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", "body": {}}',
+        request("nan", temperature=float("nan")),  # json.dumps writes NaN
+        request("fine", max_tokens=2)]) + "\n")
+    assert main(["run-batch", "-i", str(source), "-o", str(target), *flags(model)]) == 0
+    surrogate, nan, fine = read(target)
+    assert surrogate["response"]["status_code"] == 400 and surrogate["custom_id"] is None
+    assert "NaN" in nan["response"]["body"]["error"]["message"]
+    assert fine["response"]["body"]["usage"]["completion_tokens"] == 2
+
+
+def test_a_failing_write_stops_the_run_and_is_raised() -> None:
+    """A full disk must not pass for a finished run: the error surfaces, nothing after it
+    is written, and the run does not hang with lines in flight."""
+    import asyncio
+
+    from batchinfer.batch.executor import run_lines
+    from batchinfer.batch.lines import parse_line
+
+    lines = [parse_line(i, request(f"w{i}")) for i in range(12)]
+    written: list[str] = []
+
+    async def handler(url: str, body: dict) -> tuple[int, dict, str]:
+        await asyncio.sleep(0.001)
+        return 200, {"usage": {"completion_tokens": 1}}, "rid"
+
+    def write(line, result) -> None:
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        written.append(line.custom_id)
+
+    async def run() -> None:
+        await asyncio.wait_for(run_lines(iter(lines), handler, write, 2), timeout=10)
+
+    with pytest.raises(OSError, match="No space left"):
+        asyncio.run(run())
+    assert written == ["w0", "w1", "w2"]

@@ -27,6 +27,29 @@ logger = logging.getLogger(__name__)
 
 # (url, body) -> (status code, JSON body, request id)
 Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any, str | None]]]
+# Answers that mean "not now": a full queue, a queue deadline, a model still loading. A batch
+# line waits and retries them rather than recording them as its answer.
+RETRY_CODES = ("queue_full", "overloaded", "queue_timeout", "loading")
+RETRY_DELAY_S = 1.0
+
+
+def retrying(handler: Handler, stop: asyncio.Event) -> Handler:
+    """`handler` with the `RETRY_CODES` answers retried until they pass, and a server shutting
+    down turned into this line's cancellation (it reruns at the next start) once `stop` is
+    set."""
+    async def handle(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
+        while True:
+            status, payload, request_id = await handler(url, body)
+            error = payload.get("error") if isinstance(payload, dict) else None
+            code = error.get("code") if isinstance(error, dict) else None
+            if code == "shutting_down":
+                await stop.wait()
+                raise asyncio.CancelledError
+            if code not in RETRY_CODES:
+                return status, payload, request_id
+            await asyncio.sleep(RETRY_DELAY_S)
+
+    return handle
 
 
 class AppClient:
@@ -75,19 +98,28 @@ async def run_lines(lines: Iterable[BatchLine], handler: Handler,
                     stop: asyncio.Event | None = None) -> LineCounts:
     """Answer every line (rejected ones with their 400 at once), calling `write(line,
     result)` in input order. With `stop` set, admission ends, running lines are cancelled and
-    only the answers before the first unfinished line are written. Returns the counts."""
+    only the answers before the first unfinished line are written. Returns the counts. A
+    `write` that raises (a full disk) stops the run the same way, then is raised here: the
+    caller must not mistake a run that lost its output for a finished one."""
     stop = stop or asyncio.Event()
     window = asyncio.Semaphore(max_in_flight)
     done: dict[int, tuple[BatchLine, dict[str, Any]]] = {}
     running: set[asyncio.Task[None]] = set()
     counts = LineCounts()
     next_write = 0
+    write_error: list[BaseException] = []
 
     def flush() -> None:
         nonlocal next_write
-        while next_write in done:
-            line, result = done.pop(next_write)
-            write(line, result)
+        while next_write in done and not write_error:
+            line, result = done[next_write]
+            try:
+                write(line, result)
+            except Exception as exc:
+                write_error.append(exc)
+                stop.set()
+                return
+            del done[next_write]
             counts.add(result)
             next_write += 1
             window.release()
@@ -133,4 +165,6 @@ async def run_lines(lines: Iterable[BatchLine], handler: Handler,
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         flush()
+    if write_error:
+        raise write_error[0]
     return counts

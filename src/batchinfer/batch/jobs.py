@@ -21,15 +21,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from batchinfer.batch.executor import AppClient, run_lines
+from batchinfer.batch.executor import AppClient, Handler, retrying, run_lines
 from batchinfer.batch.lines import BatchLine
-from batchinfer.batch.offline import pending_lines, read_resume, survey
+from batchinfer.batch.offline import Resume, pending_lines, read_resume, survey
 from batchinfer.batch.store import BatchStore, new_id
 
 logger = logging.getLogger(__name__)
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-RETRY_STATUSES = (429, 503)  # the server's queue is full or timed out: wait, don't fail
+MAX_WINDOW_S = 30 * 86400
 SAVE_EVERY_S = 0.25
 EXPIRED_ERROR = {"code": "batch_expired",
                  "message": "This request could not be executed before the completion window "
@@ -39,17 +39,18 @@ EXPIRED_ERROR = {"code": "batch_expired",
 def parse_window(window: str) -> int:
     """'24h' -> seconds; `ValueError` naming `completion_window`."""
     match = re.fullmatch(r"(\d+)([smhd])", window) if isinstance(window, str) else None
-    if match is None or int(match[1]) == 0:
+    seconds = int(match[1]) * WINDOW_UNITS[match[2]] if match else 0
+    if not 0 < seconds <= MAX_WINDOW_S:
         raise ValueError(f"completion_window must be a duration such as '24h' (units s, m, h, "
-                         f"d), got {window!r}")
-    return int(match[1]) * WINDOW_UNITS[match[2]]
+                         f"d; at most 30d), got {window!r}")
+    return seconds
 
 
 class BatchManager:
     """Runs the server's batch jobs; every method is called on the event loop."""
 
     def __init__(self, store: BatchStore, client: AppClient, max_in_flight: int,
-                 ready: Callable[[], Awaitable[None]]) -> None:
+                 ready: Callable[[], Awaitable[bool]]) -> None:
         self.store = store
         self.client = client
         self.max_in_flight = max_in_flight
@@ -58,6 +59,9 @@ class BatchManager:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Event] = {}
         self._reasons: dict[str, str] = {}  # why a job was stopped: cancel | expired | shutdown
+        # The batch object each running job updates: changes from a route (cancel) go into
+        # it, so the job's next save cannot overwrite them with a stale copy.
+        self._live: dict[str, dict[str, Any]] = {}
 
     def start(self) -> None:
         """Resume the jobs a previous run of the server left unfinished."""
@@ -84,6 +88,7 @@ class BatchManager:
 
     def cancel(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Ask a validating or running job to stop; it keeps what finished."""
+        batch = self._live.get(batch["id"], batch)
         batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
         self.store.save_batch(batch)
         self._stop(batch["id"], "cancel")
@@ -109,37 +114,39 @@ class BatchManager:
             self._tasks.pop(batch_id, None)
             self._stops.pop(batch_id, None)
             self._reasons.pop(batch_id, None)
+            self._live.pop(batch_id, None)
 
         task.add_done_callback(forget)
 
     async def _run(self, batch_id: str) -> None:
         batch = self.store.get_batch(batch_id, None)
         assert batch is not None
+        self._live[batch_id] = batch
         try:
             await self._advance(batch)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a job that cannot go on fails alone, with the reason
             logger.exception("batch %s failed", batch_id)
-            self._fail(batch, "internal_error", f"{type(exc).__name__}: {exc}")
+            self._fail(batch, self.store.owner_of(batch_id), "internal_error",
+                       f"{type(exc).__name__}: {exc}")
 
     async def _advance(self, batch: dict[str, Any]) -> None:
         owner = self.store.owner_of(batch["id"])
-        if batch["status"] == "cancelling":
-            self._finish(batch, owner, "cancelled")
-            return
-        if batch["status"] == "finalizing":
-            self._finish(batch, owner, "completed")
+        if batch["status"] in ("cancelling", "finalizing"):  # a restart caught it there
+            await self._recount(batch)
+            self._finish(batch, owner, "cancelled" if batch["status"] == "cancelling"
+                         else "completed")
             return
         path = self.store.file_path(batch["input_file_id"], owner)
         if path is None:
-            self._fail(batch, "missing_file", "the input file was deleted")
+            self._fail(batch, owner, "missing_file", "the input file was deleted")
             return
         if batch["status"] == "validating":
             try:
                 found = await asyncio.to_thread(survey, path)
             except ValueError as exc:
-                self._fail(batch, "invalid_file", str(exc).replace(f"{path}: ", ""))
+                self._fail(batch, owner, "invalid_file", str(exc).replace(f"{path}: ", ""))
                 return
             if self._reasons.get(batch["id"]) == "cancel":
                 self._finish(batch, owner, "cancelled")
@@ -149,16 +156,34 @@ class BatchManager:
             self.store.save_batch(batch)
         await self._run_lines(batch, owner, path)
 
+    async def _recount(self, batch: dict[str, Any]) -> Resume:
+        """Set `request_counts` from the job's files (a kill may have lost the last save);
+        returns what they hold. Off the event loop: a long job's files are large."""
+        job = self.store.job_dir(batch["id"])
+        done_ok, done_failed = await asyncio.to_thread(
+            lambda: (read_resume(job / "output.jsonl"), read_resume(job / "errors.jsonl")))
+        counts = batch["request_counts"]
+        counts["completed"], counts["failed"] = done_ok.num_done, done_failed.num_done
+        return done_ok.merge(done_failed)
+
     async def _run_lines(self, batch: dict[str, Any], owner: str, path: Path) -> None:
         batch_id = batch["id"]
         stop = self._stops[batch_id]
         job = self.store.job_dir(batch_id)
-        done_ok, done_failed = read_resume(job / "output.jsonl"), read_resume(job / "errors.jsonl")
+        answered = await self._recount(batch)
         counts = batch["request_counts"]
-        counts["completed"], counts["failed"] = done_ok.num_done, done_failed.num_done
-        expire = asyncio.get_running_loop().call_later(
-            max(0.0, batch["expires_at"] - time.time()), self._stop, batch_id, "expired")
-        await self.ready()
+        loop = asyncio.get_running_loop()
+        expire = loop.call_later(max(0.0, batch["expires_at"] - time.time()), self._stop,
+                                 batch_id, "expired")
+        ready, stopped = asyncio.ensure_future(self.ready()), asyncio.ensure_future(stop.wait())
+        await asyncio.wait((ready, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not ready.done() or not ready.result():
+            ready.cancel()
+            expire.cancel()
+            # Stopped before the model was ready, or the model failed to load.
+            await self._settle(batch, owner, self._reasons.get(batch_id, "shutdown"), path)
+            return
         last_save = time.monotonic()
         with open(job / "output.jsonl", "a", encoding="utf-8") as output, \
                 open(job / "errors.jsonl", "a", encoding="utf-8") as errors:
@@ -175,49 +200,50 @@ class BatchManager:
                     last_save = time.monotonic()
 
             try:
-                await run_lines(pending_lines(path, done_ok.merge(done_failed),
-                                              batch["endpoint"]),
+                await run_lines(pending_lines(path, answered, batch["endpoint"]),
                                 self._handler(stop), write, self.max_in_flight, stop)
             finally:
                 expire.cancel()
                 self.store.save_batch(batch)
-            reason = self._reasons.get(batch_id)
-            if reason == "expired":
-                answered = read_resume(job / "output.jsonl").merge(
-                    read_resume(job / "errors.jsonl"))
-                for line in pending_lines(path, answered):
-                    errors.write(json.dumps({"id": new_id("batch_req_"),
-                                             "custom_id": line.custom_id, "response": None,
-                                             "error": EXPIRED_ERROR}) + "\n")
-                    counts["failed"] += 1
+        reason = self._reasons.get(batch_id)
+        if reason is None and time.time() >= batch["expires_at"]:
+            reason = "expired"  # the window passed while the last lines ran
+        await self._settle(batch, owner, reason, path)
+
+    async def _settle(self, batch: dict[str, Any], owner: str, reason: str | None,
+                      path: Path) -> None:
+        """Give a job that stopped running its status for `reason` (None: all lines ran)."""
         if reason == "shutdown":
-            return  # stays in_progress: the next start resumes it
+            return  # stays as it is: the next start resumes it
         if reason == "cancel":
             self._finish(batch, owner, "cancelled")
             return
         if reason == "expired":
+            await asyncio.to_thread(self._answer_expired, batch, path)
             self._finish(batch, owner, "expired")
             return
         batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
         self.store.save_batch(batch)
         self._finish(batch, owner, "completed")
 
-    def _handler(self, stop: asyncio.Event) -> Callable[..., Awaitable[tuple[int, Any, Any]]]:
-        async def handle(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
+    def _answer_expired(self, batch: dict[str, Any], path: Path) -> None:
+        """Answer every line not run with `batch_expired` (in a thread: reads the files)."""
+        job = self.store.job_dir(batch["id"])
+        answered = read_resume(job / "output.jsonl").merge(read_resume(job / "errors.jsonl"))
+        with open(job / "errors.jsonl", "a", encoding="utf-8") as errors:
+            for line in pending_lines(path, answered):
+                errors.write(json.dumps({"id": new_id("batch_req_"),
+                                         "custom_id": line.custom_id, "response": None,
+                                         "error": EXPIRED_ERROR}) + "\n")
+                batch["request_counts"]["failed"] += 1
+
+    def _handler(self, stop: asyncio.Event) -> Handler:
+        async def send(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
             body = {**body, "lane" if url == "/v1/embeddings" else "service_tier": "batch"}
             async with self._slots:
-                while True:
-                    status, payload, request_id = await self.client(url, body)
-                    code = (payload.get("error") or {}).get("code") \
-                        if isinstance(payload, dict) else None
-                    if code == "shutting_down":
-                        await stop.wait()  # the job is being stopped: this line reruns later
-                        raise asyncio.CancelledError
-                    if status not in RETRY_STATUSES or code == "model_not_found":
-                        return status, payload, request_id
-                    await asyncio.sleep(1.0)  # the queue is full of interactive work
+                return await self.client(url, body)
 
-        return handle
+        return retrying(send, stop)
 
     def _finish(self, batch: dict[str, Any], owner: str, status: str) -> None:
         """Register the job's output and error files, then set the final `status`."""
@@ -225,15 +251,17 @@ class BatchManager:
         for key, name in (("output_file_id", "output"), ("error_file_id", "errors")):
             path = job / f"{name}.jsonl"
             if batch[key] is None and path.exists() and path.stat().st_size:
-                file = self.store.add_file(new_id("file-"), owner, "batch_output",
-                                           f"{batch['id']}_{name}.jsonl", path)
-                batch[key] = file["id"]
+                batch[key] = new_id("file-")
+                self.store.save_batch(batch)  # the id first: a restart re-registers no file
+                self.store.add_file(batch[key], owner, "batch_output",
+                                    f"{batch['id']}_{name}.jsonl", path)
         self._set_status(batch, status)
 
-    def _fail(self, batch: dict[str, Any], code: str, message: str) -> None:
+    def _fail(self, batch: dict[str, Any], owner: str, code: str, message: str) -> None:
+        """Fail the batch with the reason; answers already written stay reachable."""
         batch["errors"] = {"object": "list", "data": [
             {"code": code, "message": message, "param": None, "line": _line_of(message)}]}
-        self._set_status(batch, "failed")
+        self._finish(batch, owner, "failed")
 
     def _set_status(self, batch: dict[str, Any], status: str) -> None:
         batch["status"] = status

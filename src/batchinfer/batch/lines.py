@@ -42,10 +42,12 @@ class BatchLine:
 def parse_line(index: int, text: str, endpoint: str | None = None) -> BatchLine:
     """Parse line `index` (0-based); `endpoint` (a batch job's) is the only url allowed."""
     try:
-        data = json.loads(text)
+        data = _loads(text)
     except json.JSONDecodeError as exc:
         return BatchLine(index, None, error=LineError(
             f"line {index + 1} is not valid JSON: {exc.msg} at column {exc.colno}"))
+    except ValueError as exc:
+        return BatchLine(index, None, error=LineError(f"line {index + 1}: {exc}"))
     if not isinstance(data, dict):
         return BatchLine(index, None, error=LineError(f"line {index + 1} is not a JSON object"))
     custom_id = data.get("custom_id")
@@ -78,11 +80,27 @@ def _check_request(data: dict[str, Any], endpoint: str | None) -> tuple[str, dic
     return url, body
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON: no NaN / Infinity, no unpaired surrogates (neither can be answered or
+    written back as UTF-8 JSON)."""
+    data = json.loads(text, parse_constant=_reject_constant)
+    if "\\u" in text:  # escapes may spell an unpaired surrogate
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the line holds an unpaired surrogate escape") from None
+    return data
+
+
 def peek(text: str) -> tuple[str | None, str | None]:
     """(custom_id, url) of a line where they are strings, else None: a cheap first pass."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        data = _loads(text)
+    except ValueError:
         return None, None
     if not isinstance(data, dict):
         return None, None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchinfer.batch.executor import AppClient, LineCounts, run_lines
+from batchinfer.batch.executor import AppClient, LineCounts, retrying, run_lines
 from batchinfer.batch.lines import BatchLine, parse_line, peek
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,8 @@ async def _run(client: AppClient | None, input_path: Path, output_path: Path, re
                                 refresh=False)
 
         try:
-            return await run_lines(pending_lines(input_path, resume), client or no_model,
-                                   write, max_in_flight)
+            handler = retrying(client, asyncio.Event()) if client is not None else no_model
+            return await run_lines(pending_lines(input_path, resume), handler, write,
+                                   max_in_flight)
         finally:
             bar.close()

@@ -134,15 +134,28 @@ class BatchStore:
     def list_batches(self, owner: str, after: str | None, limit: int
                      ) -> tuple[list[dict[str, Any]], bool]:
         """Newest first, those created before batch `after`; (page, has_more)."""
-        if after is None:
-            rows = self.db.execute("SELECT data FROM batches WHERE owner = ? ORDER BY seq DESC "
-                                   "LIMIT ?", (owner, limit + 1)).fetchall()
-        else:
-            rows = self.db.execute(
-                "SELECT data FROM batches WHERE owner = ? AND seq < (SELECT seq FROM batches "
-                "WHERE id = ?) ORDER BY seq DESC LIMIT ?", (owner, after, limit + 1)).fetchall()
+        rows = self._page("batches", "data", owner, after, limit)
         page = [json.loads(row["data"]) for row in rows]
         return page[:limit], len(page) > limit
+
+    def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int
+                   ) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first (of `purpose` when given), those uploaded before file `after`."""
+        rows = self._page("files", "*", owner, after, limit, purpose)
+        page = [_file_object(row) for row in rows]
+        return page[:limit], len(page) > limit
+
+    def _page(self, table: str, columns: str, owner: str, after: str | None, limit: int,
+              purpose: str | None = None) -> list[sqlite3.Row]:
+        where, args = ["owner = ?"], [owner]
+        if purpose is not None:
+            where.append("purpose = ?")
+            args.append(purpose)
+        if after is not None:
+            where.append(f"seq < (SELECT seq FROM {table} WHERE id = ?)")
+            args.append(after)
+        return self.db.execute(f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                               "ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
 
     def active_batches(self) -> list[dict[str, Any]]:
         marks = ",".join("?" * len(ACTIVE_STATUSES))

@@ -97,6 +97,8 @@ def register(subparsers: Any) -> None:
                         help="encoder batcher: most items waiting; beyond: HTTP 429 "
                         f"(default: {encoder.max_queue_size})")
     batch = parser.add_argument_group("Batch API (/v1/files, /v1/batches)")
+    batch.add_argument("--batch-api", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve /v1/files and /v1/batches (default: on)")
     batch.add_argument("--batch-dir", default=None,
                        help="SQLite database and file bodies of the Batch API (default: "
                        "$BATCHINFER_CACHE/batches); one server per directory")
@@ -122,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         embedding_model=args.embedding_model,
         embedding_quantization=args.embedding_quantization,
+        batch_api=args.batch_api,
         batch_dir=args.batch_dir,
         batch_max_file_bytes=args.batch_max_file_bytes,
         batch_max_in_flight=args.batch_max_in_flight,

@@ -71,6 +71,9 @@ class ServerConfig:
     # After a drain signal, requests still running this long before the server stops waiting
     # for them are cut (each ends cleanly: finish_reason "abort"); None: never cut.
     shutdown_timeout_s: float | None = None
+    # The Batch API (/v1/files, /v1/batches): on in `batchinfer serve`, off by default here so
+    # that an app built in process (run-batch, tests) never opens a server's job store.
+    batch_api: bool = False
     # The Batch API's SQLite database and file bodies; None: $BATCHINFER_CACHE/batches.
     batch_dir: str | None = None
     batch_max_file_bytes: int = 200 << 20  # largest upload to /v1/files
@@ -111,7 +114,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.batch_api: BatchAPI | None = None
-        self.batch_error = "the Batch API is starting"
+        self.batch_error = "the Batch API is off on this server (batchinfer serve turns it on)"
 
     def open_batch_api(self, app: FastAPI) -> None:
         """Open the Batch API's store and resume the jobs left unfinished; a store held by
@@ -135,10 +138,13 @@ class ServerState:
             raise APIError(503, self.batch_error, code="batch_api_unavailable")
         return self.batch_api
 
-    async def wait_ready(self) -> None:
-        """Until the model is loaded (forever, if loading failed: no batch line can run)."""
-        while not self.ready or self.load_error is not None:
+    async def wait_ready(self) -> bool:
+        """True once the model is loaded; False if loading failed (no batch line can run)."""
+        while not self.ready:
+            if self.load_error is not None:
+                return False
             await asyncio.sleep(0.2)
+        return True
 
     def begin_drain(self) -> None:
         """Stop admitting requests (503); running ones go on, until just before the shutdown
@@ -253,7 +259,8 @@ def build_app(
         loop = state.loop = asyncio.get_running_loop()
         threading.Thread(target=state.load, args=(loop,), name="batchinfer-load",
                          daemon=True).start()
-        state.open_batch_api(app)
+        if config.batch_api:
+            state.open_batch_api(app)
         yield
         await state.close()
 

@@ -54,7 +54,7 @@ class BatchAPI:
     enter the app through its own guard with a token made for this process."""
 
     def __init__(self, root: Path, app: Any, max_in_flight: int,
-                 ready: Callable[[], Awaitable[None]]) -> None:
+                 ready: Callable[[], Awaitable[bool]]) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self._lock = open(root / "server.lock", "w")  # noqa: SIM115 (held while serving)
         try:
@@ -81,6 +81,17 @@ def found(kind: str, object_id: str, obj: dict[str, Any] | None) -> dict[str, An
         raise APIError(404, f"no {kind} with id {object_id!r}", param=f"{kind}_id",
                        code=f"{kind}_not_found")
     return obj
+
+
+def check_limit(limit: int, most: int) -> None:
+    if not 1 <= limit <= most:
+        raise APIError(400, f"limit must be in [1, {most}], got {limit}", param="limit")
+
+
+def listing(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A page of a list, as OpenAI's list endpoints give one."""
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
 
 
 def make_batch_router(get_api: Callable[[], BatchAPI], max_file_bytes: int) -> APIRouter:
@@ -163,12 +174,14 @@ def make_batch_router(get_api: Callable[[], BatchAPI], max_file_bytes: int) -> A
     @router.get("/v1/batches")
     async def list_batches(request: Request, after: str | None = None, limit: int = 20
                            ) -> dict[str, Any]:
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
-        page, has_more = store_().list_batches(owner_of(request), after, limit)
-        return {"object": "list", "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+        check_limit(limit, 100)
+        return listing(*store_().list_batches(owner_of(request), after, limit))
+
+    @router.get("/v1/files")
+    async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
+                         limit: int = 10000) -> dict[str, Any]:
+        check_limit(limit, 10000)
+        return listing(*store_().list_files(owner_of(request), purpose, after, limit))
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
