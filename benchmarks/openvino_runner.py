@@ -2,6 +2,9 @@
 
     <venv>/bin/python benchmarks/openvino_runner.py JOB.json      # prints one JSON object
 
+Each of `repeats` rounds times the burst, then the single stream (its prefill alone, then the
+prefill and 128 tokens); the JSON holds every round's figures.
+
 It imports nothing of batchinfer (that venv does not have it): `vs_peers.py` writes the job
 (model folder, threads, token-id prompts and output lengths) and reads back the timings.
 Everything goes through `ContinuousBatchingPipeline` with token ids, greedy, every output
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import statistics
 import sys
 import time
 from typing import Any
@@ -87,17 +89,14 @@ def main() -> None:
 
     burst = token_ids(job["prompts"])
     lengths = job["max_tokens"]
+    single = token_ids([job["single_prompt"]])
     run(pipe, burst[:2], lengths[:2])  # warm-up
-    burst_s = []
+    burst_s, first, decode = [], [], []
     for _ in range(job["repeats"]):
         seconds, produced = run(pipe, burst, lengths)
         if produced != sum(lengths):
             raise RuntimeError(f"the burst produced {produced} tokens, not {sum(lengths)}")
         burst_s.append(seconds)
-
-    single = token_ids([job["single_prompt"]])
-    first, decode = [], []
-    for _ in range(job["repeats"]):
         prefill_s, _ = run(pipe, single, [1])
         total_s, _ = run(pipe, single, [129])
         first.append(prefill_s)
@@ -106,8 +105,7 @@ def main() -> None:
     print(json.dumps({
         "openvino": ov.get_version(), "openvino_genai": ov_genai.__version__,
         "kv_cache": kv_cache_precision(job["model"], properties),
-        "burst_s": statistics.median(burst_s), "burst_runs_s": burst_s,
-        "ttft_s": statistics.median(first), "decode_tok_s": statistics.median(decode),
+        "burst_s": burst_s, "ttft_s": first, "decode_tok_s": decode,
     }))
 
 
