@@ -3,7 +3,7 @@
     <venv>/bin/python benchmarks/openvino_runner.py JOB.json      # prints one JSON object
 
 Each of `repeats` rounds times the burst, then the single stream (its prefill alone, then the
-prefill and 128 tokens); the JSON holds every round's figures.
+prefill and 128 tokens); the JSON holds every round's figures and the burst's output tokens.
 
 It imports nothing of batchinfer (that venv does not have it): `vs_peers.py` writes the job
 (model folder, threads, token-id prompts and output lengths) and reads back the timings.
@@ -42,12 +42,16 @@ def exact(n: int) -> ov_genai.GenerationConfig:
 
 
 def run(pipe: ov_genai.ContinuousBatchingPipeline, prompts: list[ov.Tensor],
-        lengths: list[int]) -> tuple[float, int]:
-    """Seconds for one `generate` over all `prompts`, and the tokens it produced."""
+        lengths: list[int]) -> tuple[float, list[list[int]]]:
+    """Seconds for one `generate` over all `prompts`, and each one's output tokens (checked to
+    be exactly as many as asked)."""
     start = time.perf_counter()
     results = pipe.generate(prompts, [exact(n) for n in lengths])
     seconds = time.perf_counter() - start
-    return seconds, sum(len(r.m_generation_ids[0]) for r in results)
+    tokens = [list(r.m_generation_ids[0]) for r in results]
+    if [len(t) for t in tokens] != lengths:
+        raise RuntimeError(f"asked for {lengths} tokens, got {[len(t) for t in tokens]}")
+    return seconds, tokens
 
 
 def kv_cache_precision(model_dir: str, properties: dict[str, Any]) -> dict[str, str]:
@@ -93,9 +97,7 @@ def main() -> None:
     run(pipe, burst[:2], lengths[:2])  # warm-up
     burst_s, first, decode = [], [], []
     for _ in range(job["repeats"]):
-        seconds, produced = run(pipe, burst, lengths)
-        if produced != sum(lengths):
-            raise RuntimeError(f"the burst produced {produced} tokens, not {sum(lengths)}")
+        seconds, outputs = run(pipe, burst, lengths)
         burst_s.append(seconds)
         prefill_s, _ = run(pipe, single, [1])
         total_s, _ = run(pipe, single, [129])
@@ -105,7 +107,7 @@ def main() -> None:
     print(json.dumps({
         "openvino": ov.get_version(), "openvino_genai": ov_genai.__version__,
         "kv_cache": kv_cache_precision(job["model"], properties),
-        "burst_s": burst_s, "ttft_s": first, "decode_tok_s": decode,
+        "burst_s": burst_s, "ttft_s": first, "decode_tok_s": decode, "outputs": outputs,
     }))
 
 
