@@ -57,7 +57,8 @@ def run(pipe: ov_genai.ContinuousBatchingPipeline, prompts: list[ov.Tensor],
 def kv_cache_precision(model_dir: str, properties: dict[str, Any]) -> dict[str, str]:
     """The KV cache element types the pipeline gets: it allocates its cache with the types of
     the compiled paged-attention model's `key_cache.0` / `value_cache.0` inputs, which the CPU
-    plugin chooses (u8 by default on x86). Compiles the same transformed model to read them."""
+    plugin chooses (on this Xeon: u8 for int8 and int4 weights, f16 for fp32 ones). Compiles
+    the same transformed model to read them."""
     from openvino._offline_transformations import paged_attention_transformation
 
     core = ov.Core()
