@@ -105,9 +105,12 @@ def interactive(args: argparse.Namespace) -> dict[str, Any]:
         api = httpx.Client(base_url=f"{base_url}/v1", timeout=60)
         upload = api.post("/files", data={"purpose": "batch"},
                           files={"file": ("in.jsonl", ("\n".join(lines) + "\n").encode())})
-        batch = api.post("/batches", json={"input_file_id": upload.json()["id"],
-                                           "endpoint": "/v1/chat/completions",
-                                           "completion_window": "24h"}).json()
+        upload.raise_for_status()
+        created = api.post("/batches", json={"input_file_id": upload.json()["id"],
+                                             "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"})
+        created.raise_for_status()
+        batch = created.json()
         deadline = time.monotonic() + 300
         while api.get(f"/batches/{batch['id']}").json()["request_counts"]["completed"] < 1:
             assert time.monotonic() < deadline, "the batch did not start"

@@ -354,6 +354,15 @@ def test_idle_connections_are_closed_and_huge_heads_get_431(tmp_path):
         big = httpx.get(f"{url}/health", headers={"x-padding": "a" * (16 << 10)})
         assert big.status_code == 431
         assert httpx.get(f"{url}/health").status_code == 200  # still serving
+        # A small head and a large body in one write: the body does not count as head.
+        body = json.dumps({"prompt": "x " * 20_000, "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: " + str(len(body)).encode()
+                         + b"\r\n\r\n" + body)
+            sock.settimeout(30)
+            status_line = sock.recv(64).split(b"\r\n")[0]
+        assert b" 431 " not in status_line and status_line.startswith(b"HTTP/1.1 ")
     finally:
         server.should_exit = True
         thread.join(30)

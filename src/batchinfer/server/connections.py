@@ -45,9 +45,12 @@ class GuardedH11Protocol(H11Protocol):
         return self.cycle is None or self.cycle.response_complete
 
     def data_received(self, data: bytes) -> None:
-        if self._between_requests():
-            buffered = len(self.conn.trailing_data[0]) + len(data)
-            if buffered > self.max_header_bytes and self.conn.their_state == h11.IDLE:
+        if self._between_requests() and self.conn.their_state == h11.IDLE:
+            # Only the head counts: a client may send head and body in one write, so the
+            # bytes buffered can pass the limit with a small head that has ended.
+            pending = bytes(self.conn.trailing_data[0]) + data
+            if len(pending) > self.max_header_bytes and \
+                    pending.find(b"\r\n\r\n", 0, self.max_header_bytes + 4) < 0:
                 self._send_431()
                 return
         super().data_received(data)
