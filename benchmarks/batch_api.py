@@ -93,7 +93,7 @@ def interactive(args: argparse.Namespace) -> dict[str, Any]:
                         output_len=args.output_len, seed=args.seed, num_warmups=2,
                         result_dir=str(result_dir), plots=False, show_progress=False)
     flags = ("--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
-             "--batch-dir", tempfile.mkdtemp(prefix="batch-api-dir-"))
+             "--batch-dir", tempfile.mkdtemp(prefix="batch-api-dir-"), *args.server_flags.split())
     server = SweepServer(label="batch-api", batching="continuous", flags=flags)
     sweep = SweepConfig(bench=bench, result_dir=str(result_dir), batching=("continuous",))
     out: dict[str, Any] = {}
@@ -150,6 +150,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=60)
     parser.add_argument("--input-len", default="64:256")
     parser.add_argument("--output-len", default="32:64")
+    parser.add_argument("--server-flags", default="--scheduling-policy priority",
+                        help="more `batchinfer serve` flags for the interactive part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="results/batch_api")
     args = parser.parse_args()

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 30 * 86400
 SAVE_EVERY_S = 0.25
+ROOM_POLL_S = 0.02
 EXPIRED_ERROR = {"code": "batch_expired",
                  "message": "This request could not be executed before the completion window "
                             "expired."}
@@ -50,11 +51,13 @@ class BatchManager:
     """Runs the server's batch jobs; every method is called on the event loop."""
 
     def __init__(self, store: BatchStore, client: AppClient, max_in_flight: int,
-                 ready: Callable[[], Awaitable[bool]]) -> None:
+                 ready: Callable[[], Awaitable[bool]],
+                 room: Callable[[], bool] = lambda: True) -> None:
         self.store = store
         self.client = client
         self.max_in_flight = max_in_flight
         self.ready = ready
+        self.room = room
         self._slots = asyncio.Semaphore(max_in_flight)  # lines in flight, all jobs together
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Event] = {}
@@ -241,6 +244,11 @@ class BatchManager:
         async def send(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
             body = {**body, "lane" if url == "/v1/embeddings" else "service_tier": "batch"}
             async with self._slots:
+                # The background lane: a line enters the engine only while nothing waits
+                # there, so batch lines never queue (and age) ahead of interactive requests;
+                # those find at most the lines running, which `priority` may preempt.
+                while not self.room():
+                    await asyncio.sleep(ROOM_POLL_S)
                 return await self.client(url, body)
 
         return retrying(send, stop)

@@ -29,8 +29,10 @@ from batchinfer import __version__
 from batchinfer.batching.config import BatcherConfig
 from batchinfer.batching.embedding_service import ENCODER_BATCHER_CONFIG, EmbeddingConfig
 from batchinfer.core.config import EngineConfig
+from batchinfer.core.outputs import SchedulerStats
 from batchinfer.core.validation import check_int, check_non_negative
 from batchinfer.engine.async_llm import AsyncLLM
+from batchinfer.engine.outputs import RequestStats
 from batchinfer.server.errors import APIError, error_response, install_error_handlers
 from batchinfer.server.metrics import ServerMetrics
 from batchinfer.server.protocol import (
@@ -114,6 +116,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.batch_api: BatchAPI | None = None
+        self.engine_load = EngineLoad()
         self.batch_error = "the Batch API is off on this server (batchinfer serve turns it on)"
 
     def open_batch_api(self, app: FastAPI) -> None:
@@ -124,9 +127,13 @@ class ServerState:
 
         root = Path(self.config.batch_dir) if self.config.batch_dir else \
             default_cache_dir() / "batches"
+        # Batch lines in the engine at once: at most its seats, so none waits in its queue.
+        in_flight = self.config.batch_max_in_flight
+        if self.engine_config is not None:
+            in_flight = min(in_flight, self.engine_config.max_num_seqs)
         try:
-            self.batch_api = BatchAPI(root, app, self.config.batch_max_in_flight,
-                                      self.wait_ready)
+            self.batch_api = BatchAPI(root, app, in_flight, self.wait_ready,
+                                      self.engine_load.room)
         except (ValueError, OSError) as exc:
             self.batch_error = f"the Batch API is off: {exc}"
             logger.warning("%s", self.batch_error)
@@ -196,6 +203,7 @@ class ServerState:
             self.embeddings.target = embedder
         if llm is not None:
             llm.stat_loggers.append(self.metrics)
+            llm.stat_loggers.append(self.engine_load)
             llm.start()
             self.llm = llm
             name = self.config.served_model_name or llm.engine.model_name
@@ -332,6 +340,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return state.serving_for(body.model).detokenize(body)
+
+
+class EngineLoad:
+    """The engine's queue as of its last step (a stat logger): what lets batch lines fill
+    only the room interactive requests leave."""
+
+    def __init__(self) -> None:
+        self.num_waiting = 0
+
+    def record_step(self, stats: SchedulerStats) -> None:
+        self.num_waiting = stats.num_waiting
+
+    def record_requests(self, stats: list[RequestStats], now_s: float) -> None:
+        pass
+
+    def room(self) -> bool:
+        return self.num_waiting == 0
 
 
 class DeferredService:

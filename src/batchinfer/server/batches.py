@@ -54,7 +54,7 @@ class BatchAPI:
     enter the app through its own guard with a token made for this process."""
 
     def __init__(self, root: Path, app: Any, max_in_flight: int,
-                 ready: Callable[[], Awaitable[bool]]) -> None:
+                 ready: Callable[[], Awaitable[bool]], room: Callable[[], bool]) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self._lock = open(root / "server.lock", "w")  # noqa: SIM115 (held while serving)
         try:
@@ -66,7 +66,7 @@ class BatchAPI:
         self.store = BatchStore(root)
         self.token = secrets.token_hex(16)
         self.client = AppClient(app, {"authorization": f"Bearer {self.token}"})
-        self.manager = BatchManager(self.store, self.client, max_in_flight, ready)
+        self.manager = BatchManager(self.store, self.client, max_in_flight, ready, room)
 
     async def close(self) -> None:
         await self.manager.close()
