@@ -301,3 +301,38 @@ def test_upload_size_limit(model_dir: str, tmp_path: Path) -> None:
             assert r.status_code == 503 and "in use by another server" in \
                 r.json()["error"]["message"]
             assert httpx.get(f"{url}/v1/batches").status_code == 200
+
+
+def test_batch_lines_enter_the_engine_only_when_nothing_waits_there() -> None:
+    """The background lane: while the engine's queue holds requests, no batch line is sent;
+    each goes with the batch tier, and not-now answers are retried, not recorded."""
+    import asyncio
+
+    from batchinfer.batch import executor
+    from batchinfer.batch.jobs import BatchManager
+
+    sent: list[tuple[str, dict]] = []
+    answers = [(429, {"error": {"code": "queue_full"}}, None), (200, {"ok": True}, "rid")]
+
+    async def fake_client(url: str, body: dict):
+        sent.append((url, body))
+        return answers.pop(0)
+
+    room = [False]
+
+    async def scenario() -> None:
+        manager = BatchManager(None, fake_client, 4, ready=None,  # type: ignore[arg-type]
+                               room=lambda: room[0])
+        task = asyncio.ensure_future(manager._handler(asyncio.Event())(
+            "/v1/completions", {"prompt": "x"}))
+        await asyncio.sleep(0.2)
+        assert sent == []  # the queue is busy: nothing sent
+        room[0] = True
+        assert await asyncio.wait_for(task, 10) == (200, {"ok": True}, "rid")
+
+    executor.RETRY_DELAY_S, saved = 0.01, executor.RETRY_DELAY_S
+    try:
+        asyncio.run(scenario())
+    finally:
+        executor.RETRY_DELAY_S = saved
+    assert [body for _, body in sent] == [{"prompt": "x", "service_tier": "batch"}] * 2

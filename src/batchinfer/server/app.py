@@ -139,6 +139,10 @@ class ServerState:
             logger.warning("%s", self.batch_error)
             return
         self.batch_api.manager.start()
+        if self.engine_config is not None and self.engine_config.scheduling_policy == "fcfs":
+            logger.info("Batch API: batch lines fill only the seats interactive requests leave; "
+                        "with --scheduling-policy priority (or --preset interactive) an "
+                        "interactive request may also preempt a running batch line")
 
     def get_batch_api(self) -> BatchAPI:
         if self.batch_api is None:
@@ -194,9 +198,9 @@ class ServerState:
                     batcher_config=self.config.embedding_batcher)
         except Exception as exc:
             logger.exception("loading the model failed")
-            loop.call_soon_threadsafe(self._failed, f"{type(exc).__name__}: {exc}")
+            _hand_over(loop, self._failed, f"{type(exc).__name__}: {exc}")
             return
-        loop.call_soon_threadsafe(self._ready, llm, embedder)
+        _hand_over(loop, self._ready, llm, embedder)
 
     def _ready(self, llm: AsyncLLM | None, embedder: Any) -> None:
         if embedder is not None:
@@ -340,6 +344,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return state.serving_for(body.model).detokenize(body)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, callback: Callable[..., None],
+               *args: Any) -> None:
+    """Run `callback` on the server's loop; a server stopped while loading (its loop closed)
+    drops the result (the engine was not started yet: nothing runs)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        logger.info("the server stopped before the model finished loading")
 
 
 class EngineLoad:
