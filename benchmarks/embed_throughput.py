@@ -241,6 +241,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", choices=("none", "int8"),
                         help="the encoder's weights (int8 only where the probe check keeps it)")
+    parser.add_argument("--min-quantized-cosine", type=float, default=0.999,
+                        help="the probe check's bound (lower it to measure int8 anyway)")
     parser.add_argument("--bf16-texts", type=int, default=16, help="0 skips the bf16 check")
     parser.add_argument("--max-batch-size", type=int, default=32, help="online batcher")
     parser.add_argument("--max-batch-delay-ms", default="5,100",
@@ -256,7 +258,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
-    encoder = Encoder("default", dtype=args.dtype, quantization=args.quantization)
+    encoder = Encoder("default", dtype=args.dtype, quantization=args.quantization,
+                      min_quantized_cosine=args.min_quantized_cosine)
     texts = make_texts(encoder, args.num_texts, args.seed)
     lengths = [len(x) for x in encoder.tokenize(texts)]
     result: dict[str, Any] = {"setup": {

@@ -52,6 +52,9 @@ QUANTIZATION_PROBES = (
     "Le chat dort sur le canapé depuis ce matin.",
     "Error 503: the service is temporarily unavailable, please retry later.",
     "Tokyo",
+    # Keyword lists and word salad (search queries, tags, OCR) move further than prose.
+    "invoice overdue penalty refund customer account billing dispute resolution escalate",
+    "granite orchestra velvet quantum harbor pencil thunder ambassador lettuce circuit",
     "She said she would come tomorrow, but nobody believed her because she never keeps her "
     "promises, and everyone in the family knows it by now.",
 )
@@ -223,6 +226,14 @@ class Encoder:
         self._prefix_ids, self._suffix_ids = self._special_token_affixes()
         self.num_special_tokens = len(self._prefix_ids) + len(self._suffix_ids)
 
+    def _vocabulary_walk(self, num_words: int = 240) -> str:
+        """A long text of words spread over the vocabulary (deterministic): long inputs of
+        unrelated words are where quantized weights drift furthest."""
+        words = sorted(w for w in self.tokenizer.get_vocab()
+                       if w.isascii() and w.isalpha() and len(w) >= 3)
+        step = max(1, len(words) // num_words)
+        return " ".join(words[::step][:num_words])
+
     def _quantize(self, quantization: str, kernels: str, prepack_weights: bool,
                   min_cosine: float) -> None:
         """Quantize a copy of the float model; keep it only if the probe sentences' vectors
@@ -231,7 +242,7 @@ class Encoder:
         candidate = copy.deepcopy(self.model)
         plan = apply_kernels(candidate, quantization, kernels, self.device, self.dtype,
                              default_cache_dir(), allow_packed=prepack_weights)
-        ids = self.tokenize(QUANTIZATION_PROBES, truncate=True)
+        ids = self.tokenize([*QUANTIZATION_PROBES, self._vocabulary_walk()], truncate=True)
         reference = self._encode_padded(self.model, ids)
         quantized = self._encode_padded(candidate, ids)
         cosine = float(F.cosine_similarity(reference, quantized, dim=1).min())
