@@ -336,3 +336,21 @@ def test_batch_lines_enter_the_engine_only_when_nothing_waits_there() -> None:
     finally:
         executor.RETRY_DELAY_S = saved
     assert [body for _, body in sent] == [{"prompt": "x", "service_tier": "batch"}] * 2
+
+
+def test_engine_load_keeps_room_for_interactive_requests_only_while_they_wait() -> None:
+    from batchinfer.core.outputs import SchedulerStats
+    from batchinfer.server.app import EngineLoad
+
+    load = EngineLoad()
+    assert load.room()
+
+    def step(waiting: int, running: int) -> bool:
+        stats = SchedulerStats.__new__(SchedulerStats)
+        stats.num_waiting, stats.num_running = waiting, running
+        load.record_step(stats)
+        return load.room()
+
+    assert not step(waiting=2, running=8)  # requests queue behind running ones: hold back
+    assert step(waiting=0, running=8)
+    assert step(waiting=5, running=0)  # a queue on an idle engine (a static batch filling)

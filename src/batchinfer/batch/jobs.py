@@ -247,7 +247,8 @@ class BatchManager:
                 # The background lane: a line enters the engine only while nothing waits
                 # there, so batch lines never queue (and age) ahead of interactive requests;
                 # those find at most the lines running, which `priority` may preempt.
-                while not self.room():
+                # (Embeddings have their own batcher and lanes: they do not wait on this.)
+                while url != "/v1/embeddings" and not self.room():
                     await asyncio.sleep(ROOM_POLL_S)
                 return await self.client(url, body)
 

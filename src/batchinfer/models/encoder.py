@@ -242,12 +242,13 @@ class Encoder:
         candidate = copy.deepcopy(self.model)
         plan = apply_kernels(candidate, quantization, kernels, self.device, self.dtype,
                              default_cache_dir(), allow_packed=prepack_weights)
-        ids = self.tokenize([*QUANTIZATION_PROBES, self._vocabulary_walk()], truncate=True)
+        walk = self._vocabulary_walk()
+        ids = self.tokenize([*QUANTIZATION_PROBES, *([walk] if walk else [])], truncate=True)
         reference = self._encode_padded(self.model, ids)
         quantized = self._encode_padded(candidate, ids)
         cosine = float(F.cosine_similarity(reference, quantized, dim=1).min())
         self.quantization_cosine = cosine
-        if cosine < min_cosine:
+        if not cosine >= min_cosine:  # NaN vectors fail too
             logger.warning("encoder %s: %s weights refused, float weights kept: the lowest "
                            "probe cosine to the float vectors is %.5f < %g", self.name,
                            quantization, cosine, min_cosine)

@@ -208,6 +208,7 @@ class ServerState:
         if llm is not None:
             llm.stat_loggers.append(self.metrics)
             llm.stat_loggers.append(self.engine_load)
+            self.engine_load.llm = llm
             llm.start()
             self.llm = llm
             name = self.config.served_model_name or llm.engine.model_name
@@ -361,16 +362,21 @@ class EngineLoad:
     only the room interactive requests leave."""
 
     def __init__(self) -> None:
-        self.num_waiting = 0
+        self.num_waiting = self.num_running = 0
+        self.llm: AsyncLLM | None = None
 
     def record_step(self, stats: SchedulerStats) -> None:
-        self.num_waiting = stats.num_waiting
+        self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
 
     def record_requests(self, stats: list[RequestStats], now_s: float) -> None:
         pass
 
     def room(self) -> bool:
-        return self.num_waiting == 0
+        """Nothing waits behind a running request (a queue on an idle engine, as static
+        batching keeps while a batch fills, waits for no one); a dead engine answers at once
+        with its own error."""
+        dead = self.llm is not None and not self.llm.is_running
+        return self.num_waiting == 0 or self.num_running == 0 or dead
 
 
 class DeferredService:

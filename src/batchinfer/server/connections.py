@@ -13,10 +13,13 @@ own settings; `batchinfer serve` sets them from its flags.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_END = re.compile(rb"\n\r?\n")  # where h11 ends a request head (CRLF or bare LF)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -50,7 +53,7 @@ class GuardedH11Protocol(H11Protocol):
             # bytes buffered can pass the limit with a small head that has ended.
             pending = bytes(self.conn.trailing_data[0]) + data
             if len(pending) > self.max_header_bytes and \
-                    pending.find(b"\r\n\r\n", 0, self.max_header_bytes + 4) < 0:
+                    HEAD_END.search(pending, 0, self.max_header_bytes + 4) is None:
                 self._send_431()
                 return
         super().data_received(data)
