@@ -7,8 +7,8 @@ offline: `--num-lines` chat lines (questions cut from this repository's docs, `-
 greedy tokens each, `ignore_eos` so both sides generate the same number) answered by
 `run_batch_file` (what `batchinfer run-batch` runs: every line through the server's handlers
 in this process) and by `LLM.generate` on the same messages (what `batchinfer generate
---input` runs), alternately `--repeats` times; output tokens per second after the model
-loaded, medians. Target: run-batch within 5 % of generate.
+--input` runs), each in its own process, alternately `--repeats` times; output tokens per
+second after the model loaded, medians. Target: run-batch within 5 % of generate.
 
 interactive: `batchinfer serve` with `bench serve` at a fixed `--rate` (Poisson, prompts
 `--input-len`, outputs `--output-len`), alone and then while a `--num-lines` batch runs on the
@@ -24,6 +24,7 @@ import dataclasses
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,26 +60,34 @@ def batch_lines(prompts: list[str], max_tokens: int) -> list[str]:
             for i, p in enumerate(prompts)]
 
 
-def offline(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+def one_side(args: argparse.Namespace, engine: dict[str, Any]) -> float:
+    """Output tokens per second after the model loaded, of `args.side` alone in this process."""
     prompts = questions(args.num_lines, args.seed)
+    if args.side == "generate":
+        llm = LLM("default", **engine)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in out) / (time.perf_counter() - start)
     work = Path(tempfile.mkdtemp(prefix="batch-api-"))
     source = work / "in.jsonl"
     source.write_text("\n".join(batch_lines(prompts, args.max_tokens)) + "\n")
-    messages = [[{"role": "user", "content": p}] for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    result = asyncio.run(run_batch_file(source, work / "out.jsonl", EngineConfig.from_kwargs(
+        model="default", **engine), max_in_flight=args.max_in_flight, progress=False))
+    assert result.counts.completed == args.num_lines, result.counts
+    return result.counts.output_tokens / result.elapsed_s
+
+
+def offline(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+    """Each side in its own process, alternately: two engines in one process slow each other
+    (each Python thread that ran torch keeps its own OpenMP team)."""
     runs: dict[str, list[float]] = {"generate": [], "run-batch": []}
     for r in range(args.repeats):
-        llm = LLM("default", **engine)
-        start = time.perf_counter()
-        out = llm.generate(messages, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        runs["generate"].append(sum(len(o.outputs[0].token_ids) for o in out) / elapsed)
-        del llm, out
-        target = work / f"out-{r}.jsonl"
-        result = asyncio.run(run_batch_file(source, target, EngineConfig.from_kwargs(
-            model="default", **engine), max_in_flight=args.max_in_flight, progress=False))
-        assert result.counts.completed == args.num_lines, result.counts
-        runs["run-batch"].append(result.counts.output_tokens / result.elapsed_s)
+        for side in runs:
+            command = [sys.executable, __file__, "--side", side, *sys.argv[1:]]
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            runs[side].append(float(out.strip().splitlines()[-1]))
         print(f"  repeat {r + 1}: generate {runs['generate'][-1]:.1f} tok/s, run-batch "
               f"{runs['run-batch'][-1]:.1f} tok/s", flush=True)
     medians = {name: statistics.median(v) for name, v in runs.items()}
@@ -154,9 +163,14 @@ def main() -> None:
                         help="more `batchinfer serve` flags for the interactive part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-dir", default="results/batch_api")
+    parser.add_argument("--side", choices=("generate", "run-batch"), default=None,
+                        help=argparse.SUPPRESS)  # one side of the offline part (a subprocess)
     args = parser.parse_args()
     engine = {"dtype": "float32", "max_num_seqs": args.max_num_seqs,
               "enable_prefix_caching": False}
+    if args.side is not None:
+        print(one_side(args, engine))
+        return
     summary: dict[str, Any] = {"cpu": cpu_model(), "args": vars(args)}
     if args.part in ("offline", "both"):
         summary["offline"] = offline(args, engine)
