@@ -152,7 +152,8 @@ async def run_batch_file(input_path: Path, output_path: Path, engine_config: Any
     needs_generator = bool(found.urls & {"/v1/chat/completions", "/v1/completions"})
     needs_encoder = "/v1/embeddings" in found.urls
     server_config = ServerConfig(
-        served_model_name=served_model_name, embedding_model=(embedding_model or "default") if needs_encoder else None,
+        served_model_name=served_model_name,
+        embedding_model=(embedding_model or "default") if needs_encoder else None,
         max_num_queued_requests=max(1024, 2 * max_in_flight), max_request_bytes=1 << 30)
     start_s = time.perf_counter()
     if remaining <= 0 or not (needs_generator or needs_encoder):
