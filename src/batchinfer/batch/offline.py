@@ -117,6 +117,18 @@ def read_resume(path: Path) -> Resume:
 def pending_lines(path: Path, resume: Resume, endpoint: str | None = None
                   ) -> Iterator[BatchLine]:
     """The lines of `path` not answered yet, parsed (`endpoint`: the only url allowed)."""
+    for _, line in _pending(path, resume, endpoint):
+        yield line
+
+
+def pending_texts(path: Path, resume: Resume) -> Iterator[tuple[int, str]]:
+    """(index, text) of the lines of `path` not answered yet."""
+    for text, line in _pending(path, resume, None):
+        yield line.index, text
+
+
+def _pending(path: Path, resume: Resume, endpoint: str | None
+             ) -> Iterator[tuple[str, BatchLine]]:
     skip_without_id = resume.num_without_id
     for index, text in lines_of(path):
         line = parse_line(index, text, endpoint)
@@ -125,7 +137,7 @@ def pending_lines(path: Path, resume: Resume, endpoint: str | None = None
         if line.custom_id is None and skip_without_id > 0:
             skip_without_id -= 1
             continue
-        yield line
+        yield text, line
 
 
 @dataclass

@@ -39,6 +39,9 @@ class BenchConfig:
     calibrate_tokens: bool = False
     request_timeout_s: float = 600.0
     scrape_interval_s: float = 0.5
+    # Where the server-side metrics come from; None: {base_url}/metrics. Behind Ray Serve:
+    # Ray's metrics export (http://HEAD:METRICS_PORT/metrics), every replica's series summed.
+    metrics_url: str | None = None
     result_dir: str | None = None
     result_name: str | None = None  # file stem; default bench-<endpoint>-rate<r>-<time>
     plots: bool = True
@@ -70,6 +73,10 @@ class BenchConfig:
             raise ValueError("--request-timeout-s must be > 0")
         if not self.scrape_interval_s > 0:
             raise ValueError("--scrape-interval-s must be > 0")
+        if self.metrics_url is not None and not self.metrics_url.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"--metrics-url {self.metrics_url!r}: expected "
+                             "http://HOST:PORT/PATH")
         parse_length_spec(self.input_len, "--input-len")
         parse_length_spec(self.output_len, "--output-len")
         object.__setattr__(self, "mix", check_mix(self.mix))

@@ -125,7 +125,8 @@ async def run_benchmark(
                                                      tokens_per_word, probe=served is None)
         measured, arrivals = _schedule(config, measured)
         http_requests = _http_requests(client, url, measured, config, model)
-        scraper = MetricsScraper(config.base_url, config.scrape_interval_s)
+        scraper = MetricsScraper(config.base_url, config.scrape_interval_s,
+                                 config.metrics_url)
         if on_measure_start is not None:
             on_measure_start()
         scraper.start()

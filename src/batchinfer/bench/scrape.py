@@ -42,6 +42,8 @@ HISTOGRAMS = {
 }
 _ALL_NAMES = tuple(n for table in (GAUGES, COUNTERS, HISTOGRAMS) for ns in table.values()
                    for n in ns)
+# Ray's metrics export names a replica's `batchinfer_x` as `ray_batchinfer_x`.
+RAY_PREFIX = "ray_"
 # Percent-named gauges that report a fraction in [0, 1] (vLLM's convention, kept by batchinfer).
 FRACTION_GAUGES = ("kv_cache_usage",)
 
@@ -58,9 +60,11 @@ class ServerSample:
 
 def parse_metrics(text: str, time_s: float = 0.0) -> ServerSample:
     """Read the known series out of Prometheus text. Samples of one metric with different
-    labels are summed (a fraction gauge is averaged); unknown metrics are skipped cheaply."""
+    labels (several replicas) are summed (a fraction gauge is averaged); unknown metrics are
+    skipped cheaply. Ray's metrics export (`ray_` + the name, every series a gauge) reads the
+    same as a server's own `/metrics`."""
     kept = "\n".join(
-        line for line in text.splitlines()
+        line for line in (_without_ray_prefix(raw) for raw in text.splitlines())
         if line.startswith(_ALL_NAMES) or (line.startswith("#") and _mentions_known(line))
     )
     values: dict[str, list[float]] = {}
@@ -85,6 +89,17 @@ def parse_metrics(text: str, time_s: float = 0.0) -> ServerSample:
     return sample
 
 
+def _without_ray_prefix(line: str) -> str:
+    if line.startswith(RAY_PREFIX):
+        return line[len(RAY_PREFIX):]
+    if line.startswith("#"):
+        parts = line.split(maxsplit=3)
+        if len(parts) >= 3 and parts[2].startswith(RAY_PREFIX):
+            parts[2] = parts[2][len(RAY_PREFIX):]
+            return " ".join(parts)
+    return line
+
+
 def _mentions_known(comment: str) -> bool:
     parts = comment.split(maxsplit=3)
     return len(parts) >= 3 and parts[2].startswith(_ALL_NAMES)
@@ -98,14 +113,16 @@ def _first(values: dict[str, list[float]], names: tuple[str, ...]) -> list[float
 
 
 class MetricsScraper:
-    """Scrapes `{base_url}/metrics` every `interval_s` until stopped; keeps the samples.
+    """Scrapes `{base_url}/metrics` (or `metrics_url`) every `interval_s` until stopped; keeps
+    the samples.
 
     Uses its own small HTTP client, so a scrape never waits for a slot in the benchmark's pool.
     If the first scrape fails (no route, not Prometheus text) the server view is skipped.
     """
 
-    def __init__(self, base_url: str, interval_s: float = 0.5) -> None:
-        self.url = f"{base_url}/metrics"
+    def __init__(self, base_url: str, interval_s: float = 0.5,
+                 metrics_url: str | None = None) -> None:
+        self.url = metrics_url or f"{base_url}/metrics"
         self.interval_s = interval_s
         self.samples: list[ServerSample] = []
         self.available = True

@@ -100,6 +100,9 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
                         help="measure tokens per word with the server's POST /tokenize")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     parser.add_argument("--scrape-interval-s", type=float, default=d.scrape_interval_s)
+    parser.add_argument("--metrics-url", default=None,
+                        help="scrape server metrics here (default: BASE_URL/metrics); behind "
+                        "Ray Serve, Ray's metrics export: series summed over replicas")
     parser.add_argument("--result-dir", default=None, help="where to write JSON and PNGs")
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     parser.add_argument("--no-progress", dest="show_progress", action="store_false")
@@ -111,7 +114,7 @@ def _bench_config(args: argparse.Namespace, **overrides: Any) -> BenchConfig:
             "endpoint", "dataset", "dataset_path", "num_prompts", "input_len", "output_len",
             "shared_prefix_len", "num_prefixes", "burstiness", "max_concurrency", "num_warmups",
             "seed", "ignore_eos", "calibrate_tokens", "request_timeout_s", "scrape_interval_s",
-            "result_dir", "plots", "show_progress")
+            "metrics_url", "result_dir", "plots", "show_progress")
     }
     fields["goodput_slos_ms"] = parse_goodput(args.goodput)
     fields["mix"] = parse_mix(args.mix) if args.mix is not None else {}

@@ -65,3 +65,31 @@ def add_engine_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**collect_flags(args, EngineConfig))
+
+
+def add_ray_flags(parser: argparse.ArgumentParser, title: str, ray_help: str,
+                  what: str) -> Any:
+    """`--ray` (`ray_help`) and the flags every `--ray` command shares (`what`: what a replica
+    is there); returns the group for the command's own. Check that none was given without
+    `--ray` with `refuse_without_ray`."""
+    group = parser.add_argument_group(f"{title} (pip install 'batchinfer[ray]'; "
+                                      "docs/scale-out.md)")
+    group.add_argument("--ray", action="store_true", help=ray_help)
+    group.add_argument("--num-replicas", type=int, default=1,
+                       help=f"{what}, each with its own engine (default: 1)")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster ('auto': the one `ray start` made here); "
+                       "default: $RAY_ADDRESS, else start a local one")
+    group.add_argument("--ray-cpus-per-replica", type=float, default=None,
+                       help="CPUs Ray reserves per replica, also its torch threads (default: "
+                       "--num-threads, else 1)")
+    return group
+
+
+def refuse_without_ray(parser_args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """`ValueError` for a Ray-only flag (`defaults`: name -> default, with the shared ones
+    added) given without `--ray`."""
+    shared = {"num_replicas": 1, "ray_address": None, "ray_cpus_per_replica": None}
+    for name, default in {**shared, **defaults}.items():
+        if getattr(parser_args, name) != default:
+            raise ValueError(f"--{name.replace('_', '-')} needs --ray")

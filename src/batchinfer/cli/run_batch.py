@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchinfer.cli.options import add_engine_flags, collect_flags
+from batchinfer.cli.options import (
+    add_engine_flags,
+    add_ray_flags,
+    collect_flags,
+    refuse_without_ray,
+)
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.validation import check_int
 
@@ -33,6 +38,11 @@ def register(subparsers: Any) -> None:
                         help="encoder for /v1/embeddings lines (default: the embedded one)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bar on stderr (default: on)")
+    ray = add_ray_flags(parser, "Ray Data", "answer the lines on a pool of engine actors with "
+                        "Ray Data", "actors in the pool")
+    ray.add_argument("--lines-per-batch", type=int, default=None,
+                     help="lines handed to an actor at once; a failed actor's batch is retried "
+                     "whole (default: --max-in-flight)")
     add_engine_flags(parser)
     parser.set_defaults(func=run)
 
@@ -42,14 +52,27 @@ def run(args: argparse.Namespace) -> int:
 
     check_int("max_in_flight", args.max_in_flight)
     config = EngineConfig.from_kwargs(**collect_flags(args, EngineConfig))
-    result = asyncio.run(run_batch_file(
-        Path(args.input_file), Path(args.output_file), config, args.embedding_model,
-        args.max_in_flight, args.progress, args.served_model_name))
+    if args.ray:
+        from batchinfer.integrations.ray_cluster import require_ray
+
+        require_ray()
+        from batchinfer.integrations.ray_data import run_batch_ray
+
+        result = run_batch_ray(
+            Path(args.input_file), Path(args.output_file), config, args.embedding_model,
+            args.max_in_flight, args.progress, args.served_model_name, args.num_replicas,
+            args.ray_cpus_per_replica, args.ray_address, args.lines_per_batch)
+        loaded = f"on {args.num_replicas} Ray actor(s), loads included"
+    else:
+        refuse_without_ray(args, {"lines_per_batch": None})
+        result = asyncio.run(run_batch_file(
+            Path(args.input_file), Path(args.output_file), config, args.embedding_model,
+            args.max_in_flight, args.progress, args.served_model_name))
+        loaded = f"after a {result.load_s:.1f} s load"
     counts = result.counts
     rate = counts.output_tokens / max(1e-9, result.elapsed_s)
     print(f"run-batch: {result.num_lines} lines, {result.skipped} already answered, "
           f"{counts.completed} completed, {counts.failed} failed; {counts.output_tokens} output "
-          f"tokens in {result.elapsed_s:.1f} s ({rate:.1f} tok/s) after a {result.load_s:.1f} s "
-          f"load -> {args.output_file}",
-          file=sys.stderr)
+          f"tokens in {result.elapsed_s:.1f} s ({rate:.1f} tok/s) {loaded} -> "
+          f"{args.output_file}", file=sys.stderr)
     return 0

@@ -21,11 +21,20 @@ from typing import Any
 import uvicorn
 
 from batchinfer.batching.embedding_service import ENCODER_BATCHER_CONFIG
-from batchinfer.cli.options import add_engine_flags, collect_flags
+from batchinfer.cli.options import (
+    add_engine_flags,
+    add_ray_flags,
+    collect_flags,
+    refuse_without_ray,
+)
 from batchinfer.core.config import EngineConfig, parse_bytes
 from batchinfer.core.validation import check_int, check_non_negative
 
 API_KEY_ENV = "BATCHINFER_API_KEY"
+# Flags that mean something only with --ray, and their defaults.
+RAY_ONLY_FLAGS: dict[str, object] = {
+    "autoscale": None, "target_ongoing_requests": None, "ray_routing": "default",
+    "ray_prefix_chars": 256, "ray_metrics_export_port": None}
 
 
 def _bytes(text: str) -> int:
@@ -106,6 +115,22 @@ def register(subparsers: Any) -> None:
                        help="largest upload to /v1/files (accepts 512K, 1G; default: 200M)")
     batch.add_argument("--batch-max-in-flight", type=int, default=256,
                        help="batch lines running at once, all jobs together (default: 256)")
+    ray = add_ray_flags(parser, "Ray Serve", "serve through Ray Serve: replicas of this server "
+                        "behind Ray's HTTP proxy on --host/--port",
+                        "replicas behind Ray Serve's HTTP proxy")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                     help="autoscale between MIN and MAX replicas instead of --num-replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="autoscaling target of requests per replica (default: --max-num-seqs)")
+    ray.add_argument("--ray-routing", default="default", choices=("default", "prefix"),
+                     help="default: Ray Serve's power of two choices; prefix: prefer the "
+                     "replica that served the same prompt start (prefix cache hits) unless it "
+                     "is busier by more than --max-num-seqs (default: default)")
+    ray.add_argument("--ray-metrics-export-port", type=int, default=None,
+                     help="a local cluster's Prometheus export port, where every replica's "
+                     "metrics are (default: one Ray picks; the log prints the URL)")
+    ray.add_argument("--ray-prefix-chars", type=int, default=256,
+                     help="prompt characters that --ray-routing prefix hashes (default: 256)")
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     server.add_argument("--print-config", action="store_true",
@@ -147,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(resolved, indent=2))
         return 0
 
+    if args.ray:
+        return _serve_on_ray(args, engine_config, server_config)
+    refuse_without_ray(args, RAY_ONLY_FLAGS)
+
     from batchinfer.server.app import build_app
     from batchinfer.server.connections import guarded_protocol
 
@@ -175,6 +204,27 @@ def run(args: argparse.Namespace) -> int:
     app.state.server.on_fatal = server.request_exit
     server.run()
     return 1 if app.state.server.load_error else 0
+
+
+def _serve_on_ray(args: argparse.Namespace, engine_config: EngineConfig | None,
+                  server_config: Any) -> int:
+    from batchinfer.integrations.ray_cluster import require_ray
+
+    require_ray()
+    from batchinfer.integrations.ray_serve import RayServeConfig, parse_autoscale, serve_on_ray
+
+    if args.autoscale and args.num_replicas != 1:
+        raise ValueError("give --num-replicas or --autoscale, not both")
+    ray_config = RayServeConfig(
+        num_replicas=args.num_replicas,
+        autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
+        target_ongoing_requests=args.target_ongoing_requests,
+        cpus_per_replica=args.ray_cpus_per_replica,
+        routing=args.ray_routing, prefix_chars=args.ray_prefix_chars)
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("batchinfer").setLevel(args.log_level.upper())
+    return serve_on_ray(engine_config, server_config, ray_config, args.host, args.port,
+                        args.ray_address, args.ray_metrics_export_port)
 
 
 class GracefulServer(uvicorn.Server):

@@ -80,6 +80,12 @@ class ServerConfig:
     batch_dir: str | None = None
     batch_max_file_bytes: int = 200 << 20  # largest upload to /v1/files
     batch_max_in_flight: int = 256  # batch lines running at once, all jobs together
+    # Load the models before the app starts serving (its lifespan start-up waits, and fails if
+    # loading fails) instead of in the background behind a 503 /health: what a replica behind
+    # a router wants, since the router only sends traffic to replicas that finished starting.
+    load_before_serving: bool = False
+    # Why the Batch API is off, when it is (shown in its 503 answers).
+    batch_off_reason: str = "the Batch API is off on this server (batchinfer serve turns it on)"
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -117,7 +123,7 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.batch_api: BatchAPI | None = None
         self.engine_load = EngineLoad()
-        self.batch_error = "the Batch API is off on this server (batchinfer serve turns it on)"
+        self.batch_error = config.batch_off_reason
 
     def open_batch_api(self, app: FastAPI) -> None:
         """Open the Batch API's store and resume the jobs left unfinished; a store held by
@@ -270,8 +276,13 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = state.loop = asyncio.get_running_loop()
-        threading.Thread(target=state.load, args=(loop,), name="batchinfer-load",
-                         daemon=True).start()
+        loader = threading.Thread(target=state.load, args=(loop,), name="batchinfer-load",
+                                  daemon=True)
+        loader.start()
+        if config.load_before_serving:
+            await asyncio.to_thread(loader.join)
+            if not await state.wait_ready():
+                raise RuntimeError(f"loading the model failed: {state.load_error}")
         if config.batch_api:
             state.open_batch_api(app)
         yield

@@ -1,0 +1,399 @@
+"""Scale-out on Ray, on one local cluster for the module (`ray.init(num_cpus=2)`): two Serve
+replicas of a tiny model answer the `openai` client as `batchinfer serve` does (plain and
+streamed, errors included), both serve, each replica's metrics reach Ray's export with its
+label, a client that leaves stops its request; `run-batch --ray` writes what `run-batch` writes.
+Slow: a replica killed under load is replaced while its requests end cleanly, prefix routing
+keeps a prefix on one replica, a killed Ray Data actor's batch is retried, `serve --ray` as a
+process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from ray import serve  # noqa: E402
+
+from batchinfer.bench.scrape import parse_metrics  # noqa: E402
+from batchinfer.cli.main import main  # noqa: E402
+from batchinfer.core.config import EngineConfig  # noqa: E402
+from batchinfer.integrations.ray_serve import (  # noqa: E402
+    REPLICA_DEPLOYMENT,
+    RayServeConfig,
+    build_application,
+    parse_autoscale,
+    prefix_key,
+    replica_options,
+)
+from batchinfer.server.app import ServerConfig, build_app  # noqa: E402
+from tests.test_server import free_port, run_server  # noqa: E402
+from tests.test_server_cli import wait_healthy  # noqa: E402
+from tests.tiny_models import make_tiny_llama  # noqa: E402
+
+APP = "batchinfer-test"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("ray"), max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, str]]:
+    """One local Ray cluster and Serve instance for the module; metrics exported each second."""
+    metrics_port, http_port = free_port(), free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000}, logging_level="WARNING")
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        yield {"base_url": f"http://127.0.0.1:{http_port}",
+               "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def deployed(model: Path, routing: str = "default", num_replicas: int = 2,
+             max_num_seqs: int = 4) -> Iterator[EngineConfig]:
+    config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=max_num_seqs,
+                                      kv_cache_memory="16M", seed=0)
+    app = build_application(config, ServerConfig(), RayServeConfig(
+        num_replicas=num_replicas, cpus_per_replica=0.5, routing=routing,
+        metrics_interval_s=0.5))
+    serve.run(app, name=APP, route_prefix="/", blocking=False)
+    try:
+        yield config
+    finally:
+        serve.delete(APP)
+
+
+def ray_series(metrics_url: str, name: str) -> dict[str, float]:
+    """replica -> value of Ray's exported `ray_<name>` (summed over the other labels)."""
+    text = httpx.get(metrics_url, timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"ray_{name}" and "replica" in sample.labels:
+                replica = sample.labels["replica"]
+                out[replica] = out.get(replica, 0.0) + sample.value
+    return out
+
+
+def wait_for(condition, timeout_s: float = 30.0, what: str = "the condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"{what} did not hold within {timeout_s:g} s")
+
+
+# --- no cluster needed ---------------------------------------------------------------------
+
+def test_replica_options_follow_the_engine_knobs() -> None:
+    config = EngineConfig.from_kwargs(model="unused", device="cpu", max_num_seqs=16,
+                                      num_threads=2)
+    server = ServerConfig(max_num_queued_requests=100)
+    fixed = replica_options(config, server, RayServeConfig(num_replicas=3))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == 116
+    assert fixed["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0}
+    scaled = replica_options(config, server, RayServeConfig(autoscale=parse_autoscale("1:4"),
+                                                            cpus_per_replica=0.5))
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
+                                            "target_ongoing_requests": 16}
+    assert scaled["ray_actor_options"]["num_cpus"] == 0.5 and "num_replicas" not in scaled
+    routed = replica_options(config, server, RayServeConfig(routing="prefix"))
+    assert routed["request_router_config"].request_router_kwargs == {"imbalance": 16}
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"num_replicas": 0}, "num_replicas"), ({"autoscale": (3, 2)}, "autoscale"),
+    ({"routing": "random"}, "routing"), ({"cpus_per_replica": 0}, "cpus_per_replica"),
+    ({"target_ongoing_requests": -1}, "target_ongoing_requests"),
+])
+def test_ray_serve_config_names_a_bad_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        RayServeConfig(**kwargs)
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        parse_autoscale("4")
+
+
+def test_prefix_key_reads_the_prompt_start() -> None:
+    def chat(text: str) -> bytes:
+        return json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": text}]}).encode()
+
+    shared = "x" * 300
+    assert prefix_key("/v1/chat/completions", chat(shared + "a"), 256) == \
+        prefix_key("/v1/chat/completions", chat(shared + "b"), 256)
+    assert prefix_key("/v1/chat/completions", chat("a" + shared), 256) != \
+        prefix_key("/v1/chat/completions", chat("b" + shared), 256)
+    completion = json.dumps({"prompt": "hello world"}).encode()
+    assert prefix_key("/v1/completions", completion, 256) is not None
+    assert prefix_key("/v1/completions", b"{not json", 256) is None
+    assert prefix_key("/v1/embeddings", completion, 256) is None
+
+
+def test_ray_metrics_export_is_read_as_the_sum_over_replicas() -> None:
+    text = "\n".join([
+        "# TYPE ray_batchinfer_num_requests_running gauge",
+        'ray_batchinfer_num_requests_running{replica="a",WorkerId="1"} 3.0',
+        'ray_batchinfer_num_requests_running{replica="b",WorkerId="2"} 4.0',
+        "# TYPE ray_batchinfer_batch_size_sum gauge",
+        'ray_batchinfer_batch_size_sum{replica="a"} 30.0',
+        'ray_batchinfer_batch_size_sum{replica="b"} 10.0',
+        "# TYPE ray_batchinfer_batch_size_count gauge",
+        'ray_batchinfer_batch_size_count{replica="a"} 10.0',
+        'ray_batchinfer_batch_size_count{replica="b"} 10.0',
+    ]) + "\n"
+    sample = parse_metrics(text)
+    assert sample.gauges["running"] == 7.0
+    assert sample.histograms["batch_size"] == (40.0, 20.0)
+
+
+# --- on the cluster ------------------------------------------------------------------------
+
+def test_two_replicas_answer_like_batchinfer_serve(cluster: dict[str, str], model: Path) -> None:
+    base_url = cluster["base_url"]
+    question = {"model": "default", "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 12, "temperature": 0}
+    with deployed(model) as config:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        on_ray = client.chat.completions.create(**question).choices[0].message.content
+        streamed = "".join(chunk.choices[0].delta.content or ""
+                           for chunk in client.chat.completions.create(**question, stream=True)
+                           if chunk.choices)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="default", prompt="x", max_tokens=-1)
+        assert bad.value.body["param"] == "max_tokens"
+        # Both replicas serve (Ray's export carries each one's counter under its label).
+        prompts = [f"prompt number {i}" for i in range(16)]
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+                responses = await asyncio.gather(*[
+                    http.post("/v1/completions", json={"model": "default", "prompt": p,
+                                                       "max_tokens": 8, "ignore_eos": True})
+                    for p in prompts])
+            return [r.status_code for r in responses]
+
+        assert asyncio.run(burst()) == [200] * 16
+        served = wait_for(lambda: (s := ray_series(cluster["metrics_url"],
+                                                   "batchinfer_request_success_total"))
+                          and len(s) == 2 and sum(s.values()) >= 18 and s,
+                          what="both replicas' request counters in Ray's export")
+        assert all(n > 0 for n in served.values()), served
+        sample = parse_metrics(httpx.get(cluster["metrics_url"]).text)
+        assert sample.histograms["batch_size"][1] > 0  # steps, summed over the replicas
+
+        # A client that leaves mid-stream: its replica stops the request (counted as abort).
+        body = {"model": "default", "prompt": "long", "max_tokens": 3500, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        left_at = time.monotonic()
+        wait_for(lambda: sum(ray_series(cluster["metrics_url"],
+                                        "batchinfer_num_requests_running").values()) == 0
+                 and ray_series(cluster["metrics_url"], "batchinfer_request_success_total"),
+                 what="the abandoned request stopped")
+        aborted = httpx.get(cluster["metrics_url"]).text
+        assert 'finished_reason="abort"' in aborted, "the request ran on instead of stopping"
+        assert time.monotonic() - left_at < 20
+
+    with run_server(build_app(config)) as local:
+        reference = openai.OpenAI(base_url=f"{local}/v1", api_key="unused")
+        direct = reference.chat.completions.create(**question).choices[0].message.content
+    assert on_ray == direct == streamed and direct
+
+
+def lines_file(path: Path, n: int, tokens: int = 1) -> Path:
+    rows = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "default", "prompt": f"line {i}", "ignore_eos": True,
+                                 "max_tokens": tokens + i % 6, "temperature": 0}})
+            for i in range(n)]
+    rows.insert(5, "{not json")
+    rows.append(json.dumps({"custom_id": "chat", "method": "POST",
+                            "url": "/v1/chat/completions",
+                            "body": {"model": "default", "max_tokens": 4, "temperature": 0,
+                                     "messages": [{"role": "user", "content": "hi"}]}}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def comparable(path: Path) -> list[tuple]:
+    out = []
+    # Split at "\n" only: answers keep characters such as U+2028 raw, which splitlines() cuts.
+    for line in path.read_text().split("\n")[:-1]:
+        row = json.loads(line)
+        body = row["response"]["body"]
+        if isinstance(body, dict) and "choices" in body:
+            body = {"choices": body["choices"], "usage": body["usage"]}
+        out.append((row["custom_id"], row["response"]["status_code"], json.dumps(body)))
+    return out
+
+
+def test_run_batch_ray_writes_what_run_batch_writes(cluster: dict[str, str], model: Path,
+                                                    tmp_path: Path) -> None:
+    source = lines_file(tmp_path / "in.jsonl", 30)
+    flags = ["-i", str(source), "--model", str(model), "--no-progress", "--max-num-seqs", "4",
+             "--dtype", "float32", "--kv-cache-memory", "16M"]
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["run-batch", "-o", str(local), *flags]) == 0
+    assert main(["run-batch", "--ray", "--num-replicas", "2", "--ray-cpus-per-replica", "0.5",
+                 "--lines-per-batch", "7", "-o", str(on_ray), *flags]) == 0
+    assert comparable(on_ray) == comparable(local)
+    assert len(comparable(local)) == 32
+    # Resuming: a rerun answers nothing again.
+    before = on_ray.read_text()
+    assert main(["run-batch", "--ray", "-o", str(on_ray), *flags]) == 0
+    assert on_ray.read_text() == before
+
+
+# --- slow ----------------------------------------------------------------------------------
+
+def replica_actors() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if f"#{REPLICA_DEPLOYMENT}#" in a["name"] and f"::{APP}#" in a["name"]]
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_replaced_and_its_requests_end_cleanly(
+        cluster: dict[str, str], model: Path) -> None:
+    base_url = cluster["base_url"]
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str, bool]:
+        body = {"model": "default", "prompt": f"request {i}", "max_tokens": 1500,
+                "ignore_eos": True, "stream": i % 2 == 0}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            text = "".join([chunk async for chunk in r.aiter_text()])
+        return r.status_code, text, body["stream"]
+
+    async def load() -> list[tuple[int, str, bool]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            tasks = [asyncio.create_task(one(http, i)) for i in range(8)]
+            await asyncio.sleep(1.0)
+            victim = replica_actors()[0]
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+            return await asyncio.gather(*tasks)
+
+    with deployed(model, max_num_seqs=1):
+        results = asyncio.run(load())
+        failed = 0
+        for status, text, stream in results:
+            if status == 200 and stream:
+                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+                failed += '"replica_unavailable"' in text
+            elif status == 200:
+                assert json.loads(text)["usage"]["completion_tokens"] == 1500
+            else:
+                assert status == 503, (status, text)
+                assert json.loads(text)["error"]["code"] == "replica_unavailable"
+                failed += 1
+        assert failed >= 1, "no request was on the killed replica"
+        assert failed < 8
+        wait_for(lambda: serve.status().applications[APP].deployments[REPLICA_DEPLOYMENT]
+                 .replica_states.get("RUNNING") == 2 and len(replica_actors()) == 2,
+                 timeout_s=120, what="a replacement replica")
+        after = httpx.post(f"{base_url}/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": "again", "max_tokens": 4})
+        assert after.status_code == 200
+
+
+@pytest.mark.slow
+def test_prefix_routing_keeps_a_prefix_on_one_replica(cluster: dict[str, str],
+                                                      model: Path) -> None:
+    shared = "You are a careful assistant. " * 12
+    with deployed(model, routing="prefix"):
+        before = ray_series(cluster["metrics_url"], "batchinfer_request_success_total")
+        for i in range(6):
+            r = httpx.post(f"{cluster['base_url']}/v1/completions", timeout=60,
+                           json={"model": "default", "prompt": shared + f"question {i}",
+                                 "max_tokens": 2})
+            assert r.status_code == 200
+
+        def counts() -> dict[str, float]:
+            now = ray_series(cluster["metrics_url"], "batchinfer_request_success_total")
+            return {k: v - before.get(k, 0.0) for k, v in now.items() if v > before.get(k, 0)}
+
+        wait_for(lambda: sum(counts().values()) == 6, what="6 requests counted")
+        assert sorted(counts().values()) == [6.0], counts()
+        hits = ray_series(cluster["metrics_url"], "batchinfer_prefix_cache_hits_total")
+        assert sum(hits.values()) > 0
+
+
+@pytest.mark.slow
+def test_a_killed_ray_data_actor_has_its_batch_retried(cluster: dict[str, str], model: Path,
+                                                       tmp_path: Path) -> None:
+    from batchinfer.integrations.ray_data import run_batch_ray
+
+    source = lines_file(tmp_path / "in.jsonl", 40, tokens=150)
+    config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=2,
+                                      kv_cache_memory="16M", seed=0)
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["run-batch", "-i", str(source), "-o", str(local), "--model", str(model),
+                 "--no-progress", "--max-num-seqs", "2", "--dtype", "float32",
+                 "--kv-cache-memory", "16M"]) == 0
+    from ray._private import state
+
+    def workers() -> list[int]:
+        return [a["Pid"] for a in state.actors().values()
+                if "MapWorker" in a.get("ActorClassName", "") and a["State"] == "ALIVE"
+                and a.get("Pid")]
+
+    import threading
+
+    killed: list[bool] = []  # whether the run was still going when the actor was killed
+    finished = threading.Event()
+
+    def kill_one() -> None:
+        pids = wait_for(workers, timeout_s=60, what="a Ray Data actor")
+        time.sleep(1.0)  # inside its first batches
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(not finished.is_set())
+
+    killer = threading.Thread(target=kill_one)
+    killer.start()
+    run_batch_ray(source, on_ray, config, max_in_flight=4, progress=False, num_replicas=2,
+                  cpus_per_replica=0.5, lines_per_batch=5)
+    finished.set()
+    killer.join()
+    assert killed == [True], "the actor was killed after the run ended"
+    assert comparable(on_ray) == comparable(local)
+
+
+@pytest.mark.slow
+def test_serve_ray_as_a_process(tmp_path: Path, model: Path) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "batchinfer.cli.main", "serve", "--ray", "--num-replicas",
+               "1", "--ray-cpus-per-replica", "1", "--model", str(model), "--port", str(port),
+               "--dtype", "float32", "--kv-cache-memory", "16M", "--log-level", "warning"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(base_url, proc, timeout_s=180)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="default", prompt="hi", max_tokens=3)
+        assert answer.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
