@@ -117,3 +117,25 @@ def test_parse_goodput() -> None:
     for bad in (["ttft"], ["speed:5"], ["ttft:x"], ["ttft:-1"], ["ttft:inf"]):
         with pytest.raises(ValueError, match="--goodput"):
             parse_goodput(bad)
+
+
+def test_vllm_flat_keys_carry_the_nested_values() -> None:
+    from batchinfer.bench.metrics import vllm_flat_metrics
+
+    results = [make_result(0.0, 0.1, 0.02, 11), make_result(0.5, 0.3, 0.04, 6),
+               make_result(0.7, 0.2, 0.03, 1)]
+    m = compute_metrics(results, duration_s=2.0, start_s=0.0, goodput_slos_ms={"ttft": 250})
+    flat = vllm_flat_metrics(results, m, ("ttft", "tpot", "itl", "e2el"), (50.0, 99.0, 99.9))
+    assert flat["completed"] == 3 and flat["request_throughput"] == m.request_throughput
+    assert flat["output_throughput"] == m.output_throughput
+    assert flat["request_goodput"] == m.goodput
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        stats = getattr(m, name)
+        assert flat[f"mean_{name}_ms"] == pytest.approx(stats.mean_ms)
+        assert flat[f"median_{name}_ms"] == pytest.approx(stats.median_ms)
+        assert flat[f"std_{name}_ms"] == pytest.approx(stats.std_ms)
+        assert flat[f"p99_{name}_ms"] == pytest.approx(stats.p99_ms)
+        assert flat[f"p50_{name}_ms"] == pytest.approx(stats.p50_ms)
+    assert flat["p99.9_ttft_ms"] == pytest.approx(np.percentile([100, 300, 200], 99.9))
+    only = vllm_flat_metrics(results, m, ("ttft",), (99.0,))
+    assert "p99_ttft_ms" in only and "mean_tpot_ms" not in only and "p50_ttft_ms" not in only

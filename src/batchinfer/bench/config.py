@@ -13,6 +13,7 @@ from batchinfer.core.validation import check_choice, check_int
 
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "jsonl")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class BenchConfig:
     # Where the server-side metrics come from; None: {base_url}/metrics. Behind Ray Serve:
     # Ray's metrics export (http://HEAD:METRICS_PORT/metrics), every replica's series summed.
     metrics_url: str | None = None
+    # As `vllm bench serve`: the latencies (ttft, tpot, itl, e2el) and percentiles reported in
+    # the latency table and written as flat keys (`p99_ttft_ms`) in the JSON result.
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+    metric_percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
     result_dir: str | None = None
     result_name: str | None = None  # file stem; default bench-<endpoint>-rate<r>-<time>
     plots: bool = True
@@ -73,6 +78,13 @@ class BenchConfig:
             raise ValueError("--request-timeout-s must be > 0")
         if not self.scrape_interval_s > 0:
             raise ValueError("--scrape-interval-s must be > 0")
+        for name in self.percentile_metrics:
+            check_choice("--percentile-metrics", name, PERCENTILE_METRICS)
+        if not self.percentile_metrics:
+            raise ValueError("--percentile-metrics must name at least one metric")
+        for p in self.metric_percentiles:
+            if not 0 < p <= 100:
+                raise ValueError(f"--metric-percentiles: {p:g} is not in (0, 100]")
         if self.metrics_url is not None and not self.metrics_url.startswith(
                 ("http://", "https://")):
             raise ValueError(f"--metrics-url {self.metrics_url!r}: expected "
@@ -88,7 +100,7 @@ class BenchConfig:
 
     def to_json(self) -> dict[str, Any]:
         """All fields, JSON-safe (an infinite rate is written as the string "inf")."""
-        data = asdict(self)
+        data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if math.isinf(self.request_rate):
             data["request_rate"] = "inf"
         return data

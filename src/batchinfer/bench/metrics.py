@@ -88,6 +88,51 @@ def request_itls_s(result: RequestResult) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
+def latency_values_s(results: Sequence[RequestResult]) -> dict[str, list[float]]:
+    """Per metric, the values the percentiles are taken over (seconds): TTFT, TPOT (requests
+    with more than one token), ITL (every gap, pooled) and E2EL of the successful requests."""
+    ok = [r for r in results if r.success]
+    return {"ttft": [r.ttft_s for r in ok],
+            "tpot": [request_tpot_s(r) for r in ok if r.num_output_tokens > 1],
+            "itl": [gap for r in ok for gap in request_itls_s(r)],
+            "e2el": [r.e2el_s for r in ok]}
+
+
+def percentile_key(p: float) -> str:
+    """vLLM's spelling of a percentile in a key: 99 -> "p99", 99.9 -> "p99.9"."""
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
+
+
+def vllm_flat_metrics(results: Sequence[RequestResult], metrics: BenchMetrics,
+                      percentile_metrics: Sequence[str], metric_percentiles: Sequence[float]
+                      ) -> dict[str, float | int | None]:
+    """The flat result keys of `vllm bench serve` saves (`completed`,
+    `request_throughput`, `mean_ttft_ms`, `p99_tpot_ms`, ...), with the same values as the
+    nested metrics, so scripts written for vLLM's files read these."""
+    out: dict[str, float | int | None] = {
+        "duration": metrics.duration_s, "completed": metrics.completed,
+        "failed": metrics.failed, "total_input_tokens": metrics.total_input_tokens,
+        "total_output_tokens": metrics.total_output_tokens,
+        "request_throughput": metrics.request_throughput,
+        "request_goodput": metrics.goodput,
+        "output_throughput": metrics.output_throughput,
+        "total_token_throughput": metrics.total_token_throughput,
+        "max_output_tokens_per_s": metrics.peak_output_throughput,
+        "max_concurrent_requests": metrics.max_concurrent_requests,
+    }
+    values = latency_values_s(results)
+    for name in percentile_metrics:  # the same numbers as the latency table's
+        ms = np.asarray(values[name], dtype=float) * 1000.0
+        empty = ms.size == 0
+        out[f"mean_{name}_ms"] = None if empty else float(ms.mean())
+        out[f"median_{name}_ms"] = None if empty else float(np.median(ms))
+        out[f"std_{name}_ms"] = None if empty else float(ms.std())
+        for p in metric_percentiles:
+            out[f"{percentile_key(p)}_{name}_ms"] = None if empty else \
+                float(np.percentile(ms, p))
+    return out
+
+
 def compute_metrics(
     results: Sequence[RequestResult],
     duration_s: float,
@@ -99,10 +144,9 @@ def compute_metrics(
         raise RuntimeError(f"benchmark duration must be positive, got {duration_s}")
     ok = [r for r in results if r.success]
     failed = Counter(r.error for r in results if r.error is not None)  # = not r.success
-    ttfts = [r.ttft_s for r in ok]
-    e2els = [r.e2el_s for r in ok]
+    values = latency_values_s(ok)
+    ttfts, e2els = values["ttft"], values["e2el"]
     all_tpots = [request_tpot_s(r) for r in ok]
-    itls = [gap for r in ok for gap in request_itls_s(r)]
     total_in = sum(r.num_input_tokens for r in ok)
     total_out = sum(r.num_output_tokens for r in ok)
     slos = dict(goodput_slos_ms or {})
@@ -120,9 +164,8 @@ def compute_metrics(
         max_concurrent_requests=max_concurrency(results),
         mean_concurrent_requests=sum(r.end_s - r.start_s for r in results) / duration_s,
         ttft=latency_stats(ttfts),
-        tpot=latency_stats([t for r, t in zip(ok, all_tpots, strict=True)
-                            if r.num_output_tokens > 1]),
-        itl=latency_stats(itls),
+        tpot=latency_stats(values["tpot"]),
+        itl=latency_stats(values["itl"]),
         e2el=latency_stats(e2els),
         goodput=_goodput(slos, ttfts, all_tpots, e2els, duration_s) if slos else None,
         goodput_slos_ms=slos,

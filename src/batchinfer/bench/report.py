@@ -9,16 +9,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from batchinfer.bench.client import RequestResult
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.loadgen import BenchResult
-from batchinfer.bench.metrics import BenchMetrics, concurrency_at, output_token_timeline
+from batchinfer.bench.metrics import (
+    BenchMetrics,
+    concurrency_at,
+    latency_values_s,
+    output_token_timeline,
+    percentile_key,
+    vllm_flat_metrics,
+)
 
-LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
-LATENCY_COLUMNS = ("mean_ms", "median_ms", "std_ms", "p90_ms", "p95_ms", "p99_ms")
+LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 # Server series: (key, label, scale, unit).
 SERVER_ROWS = (
     ("running", "requests running", 1.0, ""),
@@ -39,10 +46,15 @@ def default_stem(config: BenchConfig) -> str:
 
 def result_to_json(result: BenchResult) -> dict[str, Any]:
     """All numbers of a run, the full config and the per-request records, JSON-safe.
-    `per_class` maps each `--mix` class to metrics shaped as `metrics` (empty without a mix)."""
+    `per_class` maps each `--mix` class to metrics shaped as `metrics` (empty without a mix).
+    The top level also holds `vllm bench serve`'s flat keys (`completed`, `mean_ttft_ms`,
+    `p99_itl_ms`, ...: `--percentile-metrics` x `--metric-percentiles`)."""
     tokens_per_s = output_token_timeline(result.results, result.start_s)
     times = [float(t) for t in range(len(tokens_per_s))]
+    config = result.config
     return {
+        **vllm_flat_metrics(result.results, result.metrics, config.percentile_metrics,
+                            config.metric_percentiles),
         "config": result.config.to_json(),
         "model": result.model,
         "tokens_per_word": result.tokens_per_word,
@@ -112,12 +124,13 @@ def print_summary(result: BenchResult, console: Console) -> None:
     for label, value in rows:
         summary.add_row(label, value)
     console.print(summary)
-    console.print(_latency_table(m, "Latency (ms)"))
+    console.print(_latency_table(result.results, result.config, "Latency (ms)"))
     console.print(_server_table(result))
     if result.class_metrics:
         console.print(_class_table(result))
-        for name, class_m in result.class_metrics.items():
-            console.print(_latency_table(class_m, f"Latency (ms), class {name}"))
+        for name in result.class_metrics:
+            console.print(_latency_table([r for r in result.results if r.request_class == name],
+                                         result.config, f"Latency (ms), class {name}"))
 
 
 def _failed_reasons(m: BenchMetrics) -> str:
@@ -142,17 +155,22 @@ def _class_table(result: BenchResult) -> Table:
     return table
 
 
-def _latency_table(metrics: BenchMetrics, title: str) -> Table:
+def _latency_table(results: list[RequestResult], config: BenchConfig, title: str) -> Table:
+    """Rows: `--percentile-metrics`; columns: mean, median, std and `--metric-percentiles`."""
     table = Table(title=title)
     table.add_column("metric")
-    for column in LATENCY_COLUMNS:
-        table.add_column(column.removesuffix("_ms"), justify="right")
-    for key, label in LATENCY_METRICS:
-        stats = getattr(metrics, key)
-        if stats is None:
-            table.add_row(label, *["n/a"] * len(LATENCY_COLUMNS))
-        else:
-            table.add_row(label, *[f"{getattr(stats, c):.2f}" for c in LATENCY_COLUMNS])
+    columns = ["mean", "median", "std", *(percentile_key(p) for p in config.metric_percentiles)]
+    for column in columns:
+        table.add_column(column, justify="right")
+    values = latency_values_s(results)
+    for key in config.percentile_metrics:
+        ms = np.asarray(values[key], dtype=float) * 1000.0
+        if ms.size == 0:
+            table.add_row(LATENCY_LABELS[key], *["n/a"] * len(columns))
+            continue
+        cells = [ms.mean(), np.median(ms), ms.std(),
+                 *np.percentile(ms, list(config.metric_percentiles))]
+        table.add_row(LATENCY_LABELS[key], *[f"{v:.2f}" for v in cells])
     return table
 
 

@@ -100,12 +100,28 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
                         help="measure tokens per word with the server's POST /tokenize")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     parser.add_argument("--scrape-interval-s", type=float, default=d.scrape_interval_s)
+    parser.add_argument("--percentile-metrics", default=",".join(d.percentile_metrics),
+                        help="latencies to report, comma-separated: ttft, tpot, itl, e2el "
+                        f"(default: {','.join(d.percentile_metrics)})")
+    parser.add_argument("--metric-percentiles", default=",".join(
+                            f"{p:g}" for p in d.metric_percentiles),
+                        help="percentiles to report, comma-separated (default: "
+                        f"{','.join(f'{p:g}' for p in d.metric_percentiles)}); both flags as "
+                        "vllm bench serve's, and the JSON has its flat keys (p99_ttft_ms)")
     parser.add_argument("--metrics-url", default=None,
                         help="scrape server metrics here (default: BASE_URL/metrics); behind "
                         "Ray Serve, Ray's metrics export: series summed over replicas")
     parser.add_argument("--result-dir", default=None, help="where to write JSON and PNGs")
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     parser.add_argument("--no-progress", dest="show_progress", action="store_false")
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {text!r}: expected numbers such as "
+                         "50,90,99") from None
 
 
 def _bench_config(args: argparse.Namespace, **overrides: Any) -> BenchConfig:
@@ -117,6 +133,9 @@ def _bench_config(args: argparse.Namespace, **overrides: Any) -> BenchConfig:
             "metrics_url", "result_dir", "plots", "show_progress")
     }
     fields["goodput_slos_ms"] = parse_goodput(args.goodput)
+    fields["percentile_metrics"] = tuple(
+        name.strip() for name in args.percentile_metrics.split(",") if name.strip())
+    fields["metric_percentiles"] = parse_percentiles(args.metric_percentiles)
     fields["mix"] = parse_mix(args.mix) if args.mix is not None else {}
     for name in ("class_input_len", "class_output_len", "mix_arrival"):
         fields[name] = parse_class_options(getattr(args, name), "--" + name.replace("_", "-"))

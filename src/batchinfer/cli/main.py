@@ -8,7 +8,7 @@ import sys
 
 # Subcommand modules; each defines `register(subparsers)` which adds its parser and sets
 # `func(args) -> int` as the default handler.
-SUBCOMMANDS = ("generate", "serve", "embed", "run-batch", "bench")
+SUBCOMMANDS = ("generate", "serve", "embed", "run-batch", "bench", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from batchinfer.cli.config_file import expand_config
+
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(parser, argv)
+    except ValueError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

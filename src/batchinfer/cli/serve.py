@@ -31,6 +31,11 @@ from batchinfer.core.config import EngineConfig, parse_bytes
 from batchinfer.core.validation import check_int, check_non_negative
 
 API_KEY_ENV = "BATCHINFER_API_KEY"
+# Flags of the uvicorn front and the Batch API, which Ray Serve replaces, and their defaults.
+PROXY_SIDE_FLAGS: dict[str, object] = {
+    "limit_concurrency": 2048, "timeout_keep_alive": 5.0, "header_timeout": 10.0,
+    "max_header_bytes": 64 << 10, "batch_dir": None, "batch_max_file_bytes": 200 << 20,
+    "batch_max_in_flight": 256}
 # Flags that mean something only with --ray, and their defaults.
 RAY_ONLY_FLAGS: dict[str, object] = {
     "autoscale": None, "target_ongoing_requests": None, "ray_routing": "default",
@@ -133,6 +138,9 @@ def register(subparsers: Any) -> None:
                      help="prompt characters that --ray-routing prefix hashes (default: 256)")
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
+    server.add_argument("--config", metavar="FILE",
+                        help="YAML or JSON of flag names (dashes or underscores) to values, as "
+                        "vLLM's --config; flags on the command line win")
     server.add_argument("--print-config", action="store_true",
                         help="print the resolved engine knobs (preset + flags) as JSON and exit")
     add_engine_flags(parser)
@@ -220,9 +228,14 @@ def _serve_on_ray(args: argparse.Namespace, engine_config: EngineConfig | None,
         autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
         target_ongoing_requests=args.target_ongoing_requests,
         cpus_per_replica=args.ray_cpus_per_replica,
-        routing=args.ray_routing, prefix_chars=args.ray_prefix_chars)
+        routing=args.ray_routing, prefix_chars=args.ray_prefix_chars, log_level=args.log_level)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("batchinfer").setLevel(args.log_level.upper())
+    for flag, default in PROXY_SIDE_FLAGS.items():
+        if getattr(args, flag) != default:
+            logging.getLogger(__name__).warning(
+                "--%s has no effect with --ray: Ray Serve's proxy holds the connections and "
+                "the Batch API is off there", flag.replace("_", "-"))
     return serve_on_ray(engine_config, server_config, ray_config, args.host, args.port,
                         args.ray_address, args.ray_metrics_export_port)
 

@@ -24,14 +24,14 @@ def require_ray() -> ModuleType:
     return ray
 
 
-def connect(address: str | None, **init_kwargs: Any) -> bool:
-    """Join the cluster at `address` ('auto': the one `ray start` made on this node, or
-    $RAY_ADDRESS), or start a local one when `address` is None. Already connected (a test, a
-    notebook): kept as it is. True when this call started or joined it (the caller shuts it
-    down), False when it was already connected."""
+def connect(address: str | None, **init_kwargs: Any) -> str | None:
+    """Join the cluster at `address` ('auto': the one `ray start` made on this node), or at
+    $RAY_ADDRESS, or start a local one when neither is given. Already connected (a test, a
+    notebook): kept as it is. Returns "started" (a local cluster this process owns), "joined"
+    (someone else's: leave it running) or None (already connected: nothing to undo)."""
     ray = require_ray()
     if ray.is_initialized():
-        return False
+        return None
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = os.environ["RAY_ADDRESS"]
     if address is None:
@@ -45,11 +45,11 @@ def connect(address: str | None, **init_kwargs: Any) -> bool:
         ray.init(**init_kwargs)
         logger.info("started a local Ray cluster (%s CPUs)",
                     ray.cluster_resources().get("CPU", 0))
-    else:
-        ray.init(address=address)
-        logger.info("joined the Ray cluster at %s (%s CPUs)", address,
-                    ray.cluster_resources().get("CPU", 0))
-    return True
+        return "started"
+    ray.init(address=address)
+    logger.info("joined the Ray cluster at %s (%s CPUs)", address,
+                ray.cluster_resources().get("CPU", 0))
+    return "joined"
 
 
 def actor_cpus(engine_config: EngineConfig | None, cpus: float | None) -> float:

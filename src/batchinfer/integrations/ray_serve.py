@@ -51,10 +51,8 @@ from batchinfer.server.app import ServerConfig
 
 require_ray()
 from ray import serve  # noqa: E402
+from ray.serve.exceptions import BackPressureError  # noqa: E402
 from ray.serve.request_router import (  # noqa: E402
-    FIFOMixin,
-    LocalityMixin,
-    MultiplexMixin,
     PendingRequest,
     RequestRouter,
     RunningReplica,
@@ -81,6 +79,7 @@ class RayServeConfig:
     prefix_chars: int = 256  # the prompt's start that prefix routing hashes
     app_name: str = "batchinfer"
     metrics_interval_s: float = 2.0  # how often a replica copies its metrics into Ray's
+    log_level: str = "info"  # of the replicas' batchinfer loggers
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -142,6 +141,8 @@ def replica_options(engine_config: EngineConfig | None, server_config: ServerCon
     options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": max_ongoing_requests(engine_config, server_config),
+        # Requests waiting in the router for a replica with room: beyond, 429 queue_full.
+        "max_queued_requests": server_config.max_num_queued_requests,
         "ray_actor_options": {"num_cpus": replica_cpus(engine_config, ray_config),
                               "num_gpus": 1 if uses_gpu(engine_config) else 0},
         "health_check_period_s": 5,
@@ -222,10 +223,11 @@ class BatchinferReplica:
     it requests through `forward`."""
 
     async def __init__(self, engine_config: EngineConfig | None,  # type: ignore[misc]
-                       server_config: ServerConfig, metrics_interval_s: float = 2.0) -> None:
+                       server_config: ServerConfig, metrics_interval_s: float = 2.0,
+                       log_level: str = "info") -> None:
         from batchinfer.server.app import build_app
 
-        logging.getLogger("batchinfer").setLevel(logging.INFO)
+        logging.getLogger("batchinfer").setLevel(log_level.upper())
         self.replica = serve.get_replica_context().replica_id.unique_id
         config = dataclasses.replace(server_config, load_before_serving=True, batch_api=False,
                                      batch_off_reason=BATCH_OFF_ON_RAY)
@@ -251,9 +253,10 @@ class BatchinferReplica:
 
     async def forward(self, request: dict[str, Any], body: bytes,
                       prefix_key: str | None = None) -> AsyncIterator[Any]:
-        """Run one HTTP request through this replica's app: yields ("start", status, headers)
-        and then the body's chunks as the app sends them. `prefix_key` is read by the router
-        only. Closing the generator (the client left) is a disconnect for the app."""
+        """Run one HTTP request through this replica's app: yields ("start", status, headers,
+        first body chunk), then the other chunks as the app sends them. `prefix_key` is read
+        by the router only. Closing the generator (the client left) is a disconnect for the
+        app."""
         del prefix_key
         messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         gone = asyncio.Event()
@@ -282,18 +285,28 @@ class BatchinferReplica:
         }
         task = asyncio.ensure_future(self.server_app(scope, receive, send))
         task.add_done_callback(lambda _: messages.put_nowait(None))
+        start: tuple[Any, ...] | None = None
         try:
             while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
                     headers = [(k.decode("latin-1"), v.decode("latin-1"))
                                for k, v in message.get("headers", [])]
-                    yield ("start", message["status"], headers)
+                    start = ("start", message["status"], headers)
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield bytes(message["body"])
-                    if not message.get("more_body", False):
+                    chunk = bytes(message.get("body", b""))
+                    more = message.get("more_body", False)
+                    if start is not None:
+                        # The head goes with the first body bytes: one hop fewer, and a
+                        # replica that dies in between leaves the ingress free to answer 503.
+                        yield (*start, chunk)
+                        start = None
+                    elif chunk:
+                        yield chunk
+                    if not more:
                         return
-            task.result()  # the app ended without a whole response: raise its error
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+            raise RuntimeError("the app returned without a whole response")
         finally:
             gone.set()
             if not task.done():
@@ -301,6 +314,9 @@ class BatchinferReplica:
                     await asyncio.wait_for(asyncio.shield(task), 5.0)
                 except (TimeoutError, Exception):
                     task.cancel()
+            elif not task.cancelled() and task.exception() is not None:
+                logger.error("request %s %s failed in the app", request["method"],
+                             request["path"], exc_info=task.exception())
 
 
 def prefix_key(path: str, body: bytes, prefix_chars: int) -> str | None:
@@ -343,10 +359,11 @@ def _prompt_text(data: dict[str, Any]) -> str:
     return ""
 
 
-class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router: the replica a request's prefix key hashes to first, unless
     it is busier than the least busy by more than `imbalance`; then (and for requests without
-    a key) power of two choices."""
+    a key) power of two choices. No FIFO mixin: with it, a replica chosen for one request goes
+    to the oldest waiting one, which would shuffle prefixes between replicas under load."""
 
     def initialize_state(self, imbalance: int = 64, **kwargs: Any) -> None:
         self.imbalance = imbalance
@@ -424,37 +441,49 @@ class BatchinferIngress:
         if self.prefix_chars is not None:
             key = prefix_key(scope["path"], bytes(body), self.prefix_chars)
         answer = self.replicas.forward.remote(request, bytes(body), prefix_key=key)
+        finished = False
         try:
-            first = await answer.__anext__()
-        except asyncio.CancelledError:
-            answer.cancel()
-            raise
-        except Exception as exc:
-            logger.warning("a replica failed before answering: %s", exc)
-            await _send_error(send, 503, f"the replica serving this request failed: "
-                              f"{type(exc).__name__}", "replica_unavailable")
-            return
-        _, status, headers = first
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(k.encode("latin-1"), v.encode("latin-1"))
-                                for k, v in headers]})
-        event_stream = any(k.lower() == "content-type" and "text/event-stream" in v
-                           for k, v in headers)
-        try:
-            async for chunk in answer:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except asyncio.CancelledError:
-            answer.cancel()
-            raise
-        except Exception as exc:
-            logger.warning("a replica failed mid-answer: %s", exc)
-            if event_stream:
-                error = {"error": {"message": f"the replica serving this request failed: "
-                                   f"{type(exc).__name__}", "type": "ServiceUnavailableError",
-                                   "param": None, "code": "replica_unavailable"}}
-                tail = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            try:
+                _, status, headers, first = await answer.__anext__()
+            except BackPressureError:
+                await _send_error(send, 429, "every replica's queue is full; retry later",
+                                  "queue_full", {"retry-after": "1"})
+                finished = True
+                return
+            except Exception as exc:
+                logger.warning("a replica failed before answering: %r", exc)
+                await _send_error(send, 503, f"the replica serving this request failed: "
+                                  f"{type(exc).__name__}", "replica_unavailable")
+                finished = True
+                return
+            # Ray's proxy adds its own X-Request-Id (the same id): keep one.
+            headers = [(k, v) for k, v in headers if k.lower() != "x-request-id"]
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                                    for k, v in headers]})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            event_stream = any(k.lower() == "content-type" and "text/event-stream" in v
+                               for k, v in headers)
+            try:
+                async for chunk in answer:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("a replica failed mid-answer: %r", exc)
+                if event_stream:
+                    error = {"error": {"message": f"the replica serving this request failed: "
+                                       f"{type(exc).__name__}",
+                                       "type": "ServiceUnavailableError", "param": None,
+                                       "code": "replica_unavailable"}}
+                    tail = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = True
+        finally:
+            if not finished:  # the client left, or sending to it failed: stop the replica
+                answer.cancel()
 
 
 class _AsgiApp:
@@ -467,14 +496,16 @@ class _AsgiApp:
         await self.handler(scope, receive, send)
 
 
-async def _send_error(send: Any, status: int, message: str, code: str) -> None:
+async def _send_error(send: Any, status: int, message: str, code: str,
+                      headers: dict[str, str] | None = None) -> None:
     from batchinfer.server.errors import ERROR_TYPES
 
     body = json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
                                  "param": None, "code": code}}).encode()
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -490,7 +521,7 @@ def build_application(engine_config: EngineConfig | None, server_config: ServerC
                                             replica_cpus(engine_config, ray_config))
     replicas = ReplicaDeployment.options(
         **replica_options(engine_config, server_config, ray_config)
-    ).bind(engine_config, server_config, ray_config.metrics_interval_s)
+    ).bind(engine_config, server_config, ray_config.metrics_interval_s, ray_config.log_level)
     most = ray_config.autoscale[1] if ray_config.autoscale else ray_config.num_replicas
     return IngressDeployment.options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -508,12 +539,9 @@ def serve_on_ray(engine_config: EngineConfig | None, server_config: ServerConfig
     init: dict[str, Any] = {}
     if metrics_export_port is not None:
         init["_metrics_export_port"] = metrics_export_port
-    started = connect(address, **init)
+    how = connect(address, **init)
     import ray
 
-    stop = threading.Event()
-    originals = {sig: signal.signal(sig, lambda *_: stop.set())
-                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": host, "port": port})
         app = build_application(engine_config, server_config, ray_config)
@@ -522,22 +550,49 @@ def serve_on_ray(engine_config: EngineConfig | None, server_config: ServerConfig
         except Exception as exc:
             logger.error("deploying on Ray Serve failed: %s", exc)
             return 1
-        layout = (f"{ray_config.autoscale[0]}-{ray_config.autoscale[1]} replicas (autoscaling)"
-                  if ray_config.autoscale else f"{ray_config.num_replicas} replica(s)")
-        logger.info("batchinfer on Ray Serve: http://%s:%d (%s, routing %s); each replica's "
-                    "metrics (ray_batchinfer_*, label replica) at %s", host, port, layout,
-                    ray_config.routing, " ".join(metrics_export_urls()) or "Ray's export")
-        while not stop.wait(1.0):
-            pass
+        try:
+            _check_proxy(host, port)
+        except ValueError:
+            serve.delete(ray_config.app_name)
+            raise
+        # Only now: Ctrl-C while deploying interrupts the wait (KeyboardInterrupt).
+        stop = threading.Event()
+        originals = {sig: signal.signal(sig, lambda *_: stop.set())
+                     for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            layout = (f"{ray_config.autoscale[0]}-{ray_config.autoscale[1]} replicas "
+                      "(autoscaling)" if ray_config.autoscale
+                      else f"{ray_config.num_replicas} replica(s)")
+            logger.info("batchinfer on Ray Serve: http://%s:%d (%s, routing %s); each "
+                        "replica's metrics (ray_batchinfer_*, label replica) at %s", host, port,
+                        layout, ray_config.routing,
+                        " ".join(metrics_export_urls()) or "Ray's export")
+            while not stop.wait(1.0):
+                pass
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
         logger.info("stopping: taking the application down")
         with contextlib.suppress(Exception):
             serve.delete(ray_config.app_name)
         return 0
     finally:
-        for sig, handler in originals.items():
-            signal.signal(sig, handler)
-        if started:
-            if address is None:
-                with contextlib.suppress(Exception):
-                    serve.shutdown()
+        if how == "started":  # a local cluster of our own: Serve and Ray go with it
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+        if how is not None:
             ray.shutdown()
+
+
+def _check_proxy(host: str, port: int) -> None:
+    """`ValueError` when Ray Serve's proxy does not answer on host:port: on a cluster where
+    Serve already runs, its HTTP address was fixed when it first started."""
+    import httpx
+
+    probe = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    try:
+        httpx.get(f"http://{probe}:{port}/-/healthz", timeout=10)
+    except httpx.HTTPError:
+        raise ValueError(f"Ray Serve on this cluster does not listen on {host}:{port}: its HTTP "
+                         "address is set when Serve first starts on a cluster; use that one, "
+                         "or `serve shutdown` first") from None

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +34,7 @@ from batchinfer.core.outputs import SchedulerStats
 from batchinfer.core.validation import check_int, check_non_negative
 from batchinfer.engine.async_llm import AsyncLLM
 from batchinfer.engine.outputs import RequestStats
+from batchinfer.server.dashboard import DASHBOARD_PATHS, DashboardRecorder
 from batchinfer.server.errors import APIError, error_response, install_error_handlers
 from batchinfer.server.metrics import ServerMetrics
 from batchinfer.server.protocol import (
@@ -112,6 +114,7 @@ class ServerState:
         self.engine_config = engine_config
         self.config = config
         self.metrics = ServerMetrics()
+        self.dashboard = DashboardRecorder()
         self.llm: AsyncLLM | None = None
         self.serving: OpenAIServing | None = None
         self.model_names: set[str] = set()
@@ -209,11 +212,19 @@ class ServerState:
         _hand_over(loop, self._ready, llm, embedder)
 
     def _ready(self, llm: AsyncLLM | None, embedder: Any) -> None:
+        try:
+            self._start(llm, embedder)
+        except Exception as exc:  # e.g. the engine thread would not start: a failed load
+            logger.exception("starting the engine failed")
+            self._failed(f"{type(exc).__name__}: {exc}")
+
+    def _start(self, llm: AsyncLLM | None, embedder: Any) -> None:
         if embedder is not None:
             self.embeddings.target = embedder
         if llm is not None:
             llm.stat_loggers.append(self.metrics)
             llm.stat_loggers.append(self.engine_load)
+            llm.stat_loggers.append(self.dashboard)
             self.engine_load.llm = llm
             llm.start()
             self.llm = llm
@@ -316,6 +327,25 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         content, media_type = state.metrics.render()
         return Response(content, media_type=media_type)
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        from fastapi.responses import HTMLResponse
+
+        from batchinfer.server.dashboard import page
+
+        return HTMLResponse(page())
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> dict[str, Any]:
+        llm = state.llm
+        if llm is None:
+            _, status = state.health()
+            return {"status": status, "series": {}, "latency": {}, "limits": {}}
+        data = state.dashboard.snapshot(llm.engine.clock(), llm.engine.config)
+        data["status"] = state.health()[1]
+        data["model"] = state.serving.model_name if state.serving is not None else None
+        return data
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -428,7 +458,7 @@ class RequestGuard:
         scope.setdefault("state", {})["request_id"] = request_id
         send = _with_request_id(send, request_id)
         path: str = scope["path"]
-        error = self._check(path, headers, scope["state"])
+        error = self._check(path, headers, scope["state"], scope.get("query_string", b""))
         if error is None and path == UPLOAD_PATH and scope["method"] == "POST":
             # A multipart upload, streamed to disk by the route: only its size is bounded here.
             error, receive = self._bound_upload(headers, receive)
@@ -441,9 +471,13 @@ class RequestGuard:
             return
         await self.app(scope, receive, send)
 
-    def _check(self, path: str, headers: Headers, scope_state: dict[str, Any]
-               ) -> Response | None:
+    def _check(self, path: str, headers: Headers, scope_state: dict[str, Any],
+               query: bytes = b"") -> Response | None:
         given = headers.get("authorization", "").encode()
+        if not given and path in DASHBOARD_PATHS:
+            # A browser opening the dashboard cannot send the header: ?api_key= instead.
+            key = parse_qs(query.decode("latin-1")).get("api_key")
+            given = f"Bearer {key[0]}".encode() if key else b""
         batch_api = self.state.batch_api
         if batch_api is not None and hmac.compare_digest(given,
                                                          f"Bearer {batch_api.token}".encode()):

@@ -1,0 +1,564 @@
+"""`batchinfer tune`: from a latency budget to a measured best serving configuration.
+
+The order of work the users' first article gives: the latency budget first, then the batch
+configuration, measured with warm-up at several loads while watching the real batch size.
+
+Search: a coarse set of configurations (`COARSE`: continuous batching at a few `max_num_seqs` /
+`max_num_batched_tokens`, the `interactive` preset, dynamic batching), then a hill climb from
+the best one (each knob of its form doubled and halved, one at a time, while that improves the
+score), until every neighbour is tried, `--max-configs` is reached or `--time-budget` would be
+passed. Each configuration is a `batchinfer serve` process (`bench.sweep.running_server`).
+
+Score of a configuration: the highest request rate (of `--rate`, ascending; or, with
+`--find-max-rate`, fractions of the capacity the first configuration reaches in a burst) at
+which every SLO percentile holds. A point (configuration, rate) is measured `--repeats` times
+(2 at least); when two runs of a point disagree by more than `--margin` (relative, on any SLO
+metric), it is measured once more, and the point is judged on the median of its runs, so no
+configuration wins on one lucky run. Rates above the first failing one are not measured. Ties
+go to the higher goodput (requests meeting every per-request SLO, per second) at that rate.
+
+The result directory holds `runs.jsonl` (every run: rerunning skips those measured, so an
+interrupted tune resumes), `summary.json`, `table.md`, `best-config.yaml` (for `batchinfer
+serve --config`), and `goodput-vs-rate.png`, `latency-vs-batch.png`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import shlex
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from batchinfer.bench.config import BenchConfig
+from batchinfer.bench.loadgen import BenchResult
+from batchinfer.bench.metrics import latency_values_s
+from batchinfer.bench.serve import run_async, run_with_progress
+from batchinfer.bench.sweep import SERVE_COMMAND, SweepConfig, SweepServer, running_server
+from batchinfer.bench.workload import parse_length_spec
+
+SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
+SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2el)_p(\d+(?:\.\d+)?)$")
+# The coarse grid: (label, knobs). Knobs are serve flags without dashes.
+COARSE: tuple[dict[str, Any], ...] = (
+    {"batching": "continuous", "max_num_seqs": 16, "max_num_batched_tokens": 2048},
+    {"batching": "continuous", "max_num_seqs": 64, "max_num_batched_tokens": 2048},
+    {"batching": "continuous", "max_num_seqs": 64, "max_num_batched_tokens": 512},
+    {"batching": "continuous", "max_num_seqs": 64, "preset": "interactive"},
+    {"batching": "dynamic", "max_batch_size": 16, "max_batch_delay_ms": 10},
+)
+# Knobs the hill climb doubles and halves, per batching form, with their bounds.
+CLIMB: dict[str, dict[str, tuple[float, float]]] = {
+    "continuous": {"max_num_seqs": (1, 1024), "max_num_batched_tokens": (64, 65536)},
+    "dynamic": {"max_batch_size": (1, 1024), "max_batch_delay_ms": (0.5, 1000)},
+}
+CAPACITY_FRACTIONS = (0.3, 0.5, 0.7, 0.85, 1.0)
+RUNS_FILE = "runs.jsonl"
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """One `batchinfer tune`; `ValueError` names a bad flag."""
+
+    slo: dict[str, float]  # e.g. {"ttft_p99": 2000, "tpot_p99": 150} (ms)
+    result_dir: str
+    input_len: str = "64:512"
+    output_len: str = "32:256"
+    rates: tuple[float, ...] = ()  # empty: find the rates from the capacity
+    time_budget_s: float = 1200.0
+    num_prompts: int = 40
+    num_warmups: int = 4
+    repeats: int = 2
+    margin: float = 0.25
+    max_configs: int | None = None
+    seed: int = 0
+    server_flags: tuple[str, ...] = ()  # engine flags every configuration gets (--model ...)
+    server_cmd: tuple[str, ...] = SERVE_COMMAND
+
+    def __post_init__(self) -> None:
+        if not self.slo:
+            raise ValueError("--slo needs at least one KEY=MS, e.g. ttft_p99=2000")
+        for key, value in self.slo.items():
+            if not SLO_KEY.match(key):
+                raise ValueError(f"--slo {key!r}: expected METRIC_pN with METRIC one of "
+                                 f"{', '.join(SLO_METRICS)} (e.g. ttft_p99)")
+            if not value > 0:
+                raise ValueError(f"--slo {key}: the limit must be > 0 ms")
+        parse_length_spec(self.input_len, "--workload input")
+        parse_length_spec(self.output_len, "--workload output")
+        if any(not r > 0 or math.isinf(r) for r in self.rates):
+            raise ValueError("--rate values must be finite and > 0")
+        if not self.time_budget_s > 0:
+            raise ValueError("--time-budget must be > 0")
+        if self.num_prompts < 1 or self.num_warmups < 0:
+            raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
+        if self.repeats < 2:
+            raise ValueError("--repeats must be at least 2: a point is never judged on one run")
+        if not 0 < self.margin < 1:
+            raise ValueError("--margin must be in (0, 1)")
+        if self.max_configs is not None and self.max_configs < 1:
+            raise ValueError("--max-configs must be >= 1")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft_p99=2000,tpot_p99=150' -> {"ttft_p99": 2000.0, "tpot_p99": 150.0}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo {item!r}: expected KEY=MS, e.g. ttft_p99=2000") from None
+    return out
+
+
+def parse_workload(text: str) -> tuple[str, str]:
+    """'input=64:512,output=32:256' -> ("64:512", "32:256")."""
+    parts = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+    unknown = set(parts) - {"input", "output"}
+    if unknown or not parts:
+        raise ValueError(f"--workload {text!r}: expected input=MIN:MAX,output=MIN:MAX")
+    return parts.get("input", "64:512"), parts.get("output", "32:256")
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '20m', '1.5h' or plain seconds -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if match is None:
+        raise ValueError(f"--time-budget {text!r}: expected a duration such as 90s, 20m, 1h")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def config_key(knobs: dict[str, Any]) -> str:
+    return ",".join(f"{k}={knobs[k]:g}" if isinstance(knobs[k], float) else f"{k}={knobs[k]}"
+                    for k in sorted(knobs))
+
+
+def knob_flags(knobs: dict[str, Any]) -> list[str]:
+    flags: list[str] = []
+    for name, value in knobs.items():
+        flags += [f"--{name.replace('_', '-')}",
+                  f"{value:g}" if isinstance(value, float) else str(value)]
+    return flags
+
+
+@dataclass
+class Point:
+    """One (configuration, rate) and its runs."""
+
+    rate: float
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def median(self, metric: str) -> float | None:
+        values = [r[metric] for r in self.runs if r.get(metric) is not None]
+        return statistics.median(values) if values else None
+
+    def spread(self, metric: str) -> float:
+        """(max - min) / median over the runs: how far they disagree."""
+        values = [r[metric] for r in self.runs if r.get(metric) is not None]
+        if len(values) < 2:
+            return 0.0
+        middle = statistics.median(values)
+        return (max(values) - min(values)) / middle if middle > 0 else 0.0
+
+
+@dataclass
+class Candidate:
+    knobs: dict[str, Any]
+    points: dict[float, Point] = field(default_factory=dict)
+    score: float = 0.0  # highest passing rate
+    goodput: float = 0.0  # at that rate
+    failure: str | None = None  # why the first failing rate failed (or the server did)
+
+    @property
+    def key(self) -> str:
+        return config_key(self.knobs)
+
+
+class Tuner:
+    def __init__(self, config: TuneConfig, console: Console | None = None) -> None:
+        self.config = config
+        self.console = console or Console()
+        self.dir = Path(config.result_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.runs_path = self.dir / RUNS_FILE
+        self.done = self._load_runs()
+        self.started_s = time.monotonic()
+        self.candidates: dict[str, Candidate] = {}
+        self.rates: tuple[float, ...] = config.rates
+        self.out_of_time = False
+
+    # --- measuring ------------------------------------------------------------------------
+
+    def _load_runs(self) -> dict[tuple[str, float, int], dict[str, Any]]:
+        done: dict[tuple[str, float, int], dict[str, Any]] = {}
+        if self.runs_path.exists():
+            for line in self.runs_path.read_text().splitlines():
+                try:
+                    run = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                done[(run["config"], float(run["rate"]), int(run["repeat"]))] = run
+        return done
+
+    def remaining_s(self) -> float:
+        return self.config.time_budget_s - (time.monotonic() - self.started_s)
+
+    def _bench(self, base_url: str, rate: float, repeat: int) -> BenchConfig:
+        c = self.config
+        goodput = {k.split("_")[0]: v for k, v in c.slo.items()
+                   if k.split("_")[0] in ("ttft", "tpot", "e2el")}
+        return BenchConfig(base_url=base_url, endpoint="completions", num_prompts=c.num_prompts,
+                           input_len=c.input_len, output_len=c.output_len, request_rate=rate,
+                           num_warmups=c.num_warmups if repeat == 0 else 0,
+                           seed=c.seed + repeat, goodput_slos_ms=goodput, plots=False,
+                           show_progress=False)
+
+    def _expected_s(self, rate: float) -> float:
+        """A run's likely length: its arrivals plus a margin for the tail."""
+        return (self.config.num_prompts / rate if not math.isinf(rate) else 10.0) * 1.3 + 5.0
+
+    def measure(self, candidate: Candidate, base_url: Callable[[], str], rate: float,
+                repeat: int) -> dict[str, Any] | None:
+        """One run (or the stored one); None when the budget would not cover it."""
+        stored = self.done.get((candidate.key, rate, repeat))
+        if stored is not None:
+            return stored
+        if self._expected_s(rate) > self.remaining_s():
+            self.out_of_time = True
+            return None
+        result = run_async(run_with_progress(self._bench(base_url(), rate, repeat),
+                                             self.console))
+        run = self._summarize(candidate, rate, repeat, result)
+        with open(self.runs_path, "a") as out:
+            out.write(json.dumps(run) + "\n")
+        self.done[(candidate.key, rate, repeat)] = run
+        return run
+
+    def _summarize(self, candidate: Candidate, rate: float, repeat: int,
+                   result: BenchResult) -> dict[str, Any]:
+        import numpy as np
+
+        m = result.metrics
+        run: dict[str, Any] = {"config": candidate.key, "knobs": candidate.knobs, "rate": rate,
+                               "repeat": repeat, "completed": m.completed, "failed": m.failed,
+                               "request_throughput": m.request_throughput,
+                               "output_throughput": m.output_throughput,
+                               "goodput": m.goodput, "duration_s": m.duration_s}
+        values = latency_values_s(result.results)
+        for key in self.config.slo:
+            metric, percentile = SLO_KEY.match(key).groups()  # type: ignore[union-attr]
+            samples = values[metric]
+            run[key] = float(np.percentile(samples, float(percentile))) * 1000 \
+                if samples else None
+        for metric in ("ttft", "tpot"):
+            samples = values[metric]
+            run[f"{metric}_p99"] = float(np.percentile(samples, 99)) * 1000 if samples else None
+        server = result.server.mean if result.server is not None else {}
+        run["batch_size"] = server.get("batch_size")
+        run["running"] = server.get("running")
+        return run
+
+    def judge(self, point: Point) -> tuple[bool, str]:
+        """Whether the SLO holds on the point's medians (failed requests fail it), and why
+        not."""
+        if any(r["failed"] for r in point.runs):
+            return False, f"{sum(r['failed'] for r in point.runs)} failed request(s)"
+        for key, limit in self.config.slo.items():
+            value = point.median(key)
+            if value is None or value > limit:
+                shown = "n/a" if value is None else f"{value:.0f}"
+                return False, f"{key} {shown} ms > {limit:g} ms at {point.rate:g} req/s"
+        return True, ""
+
+    def disagree(self, point: Point) -> bool:
+        return any(point.spread(key) > self.config.margin for key in self.config.slo)
+
+    def evaluate(self, knobs: dict[str, Any]) -> Candidate:
+        """Measure the configuration's rates, lowest first, until one fails (or the budget
+        ends). Its server starts at the first run not already in `runs.jsonl`."""
+        candidate = Candidate(dict(knobs))
+        self.candidates[candidate.key] = candidate
+        flags = (*self.config.server_flags, *knob_flags(
+            {k: v for k, v in knobs.items() if k != "batching"}))
+        server = SweepServer(label=candidate.key, batching=knobs["batching"], flags=flags)
+        sweep = SweepConfig(bench=self._bench("http://127.0.0.1:1", 1.0, 0),
+                            result_dir=str(self.dir), batching=(knobs["batching"],),
+                            server_cmd=self.config.server_cmd, server_start_timeout_s=600)
+        self.console.print(f"[bold]configuration[/bold] {candidate.key}")
+        log = self.dir / f"server-{len(self.candidates)}.log"
+        with contextlib.ExitStack() as stack:
+            started: list[str] = []
+
+            def base_url() -> str:
+                if not started:
+                    started.append(stack.enter_context(running_server(server, sweep, log)))
+                return started[0]
+
+            try:
+                if not self.rates:
+                    self.rates = self._find_rates(candidate, base_url)
+                for rate in self.rates:
+                    point = candidate.points.setdefault(rate, Point(rate))
+                    if not self._measure_point(candidate, point, base_url):
+                        break
+                    ok, why = self.judge(point)
+                    self._report(candidate, point, ok)
+                    if not ok:
+                        candidate.failure = why
+                        break
+                    candidate.score = rate
+                    candidate.goodput = point.median("goodput") or 0.0
+            except ValueError as exc:  # the server did not start with these knobs
+                candidate.failure = f"server: {exc}"
+                self.console.print(f"  [red]{candidate.failure}[/red]")
+        return candidate
+
+    def _measure_point(self, candidate: Candidate, point: Point,
+                       base_url: Callable[[], str]) -> bool:
+        repeats = self.config.repeats
+        for repeat in range(repeats + 1):
+            if repeat == repeats and not self.disagree(point):
+                break  # the runs agree: no extra run
+            run = self.measure(candidate, base_url, point.rate, repeat)
+            if run is None:
+                return False
+            point.runs.append(run)
+        return True
+
+    def _find_rates(self, candidate: Candidate, base_url: Callable[[], str]
+                    ) -> tuple[float, ...]:
+        """Rates as fractions of the capacity a burst reaches on the first configuration."""
+        burst = self.measure(candidate, base_url, math.inf, 0)
+        if burst is None or not burst["request_throughput"]:
+            raise ValueError("the capacity burst did not finish within the time budget")
+        capacity = burst["request_throughput"]
+        self.console.print(f"  capacity (burst): {capacity:.2f} req/s")
+        return tuple(round(capacity * f, 3) for f in CAPACITY_FRACTIONS)
+
+    def _report(self, candidate: Candidate, point: Point, ok: bool) -> None:
+        cells = ", ".join(
+            f"{k} {point.median(k):.0f}±{100 * point.spread(k):.0f}%"
+            if point.median(k) is not None else f"{k} n/a" for k in self.config.slo)
+        mark = "[green]ok[/green]" if ok else "[red]over[/red]"
+        self.console.print(f"  {point.rate:g} req/s: {cells} ({len(point.runs)} runs) {mark}")
+
+    # --- searching ------------------------------------------------------------------------
+
+    def neighbours(self, knobs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for name, (low, high) in CLIMB.get(knobs["batching"], {}).items():
+            value = knobs.get(name)
+            if value is None:
+                continue
+            for factor in (2.0, 0.5):
+                new = value * factor
+                new = int(new) if isinstance(value, int) else new
+                if low <= new <= high and new != value:
+                    yield {**knobs, name: new}
+
+    def can_go_on(self) -> bool:
+        if self.out_of_time or self.remaining_s() <= 0:
+            return False
+        limit = self.config.max_configs
+        return limit is None or len(self.candidates) < limit
+
+    def run(self) -> Candidate | None:
+        for knobs in COARSE:
+            if not self.can_go_on():
+                break
+            self.evaluate(knobs)
+        best = self.best()
+        while best is not None and self.can_go_on():
+            improved = False
+            for knobs in self.neighbours(best.knobs):
+                if config_key(knobs) in self.candidates:
+                    continue
+                if not self.can_go_on():
+                    break
+                candidate = self.evaluate(knobs)
+                if self._better(candidate, best):
+                    best, improved = candidate, True
+                    break
+            if not improved:
+                break
+        return self.best()
+
+    @staticmethod
+    def _better(a: Candidate, b: Candidate) -> bool:
+        return (a.score, a.goodput) > (b.score, b.goodput)
+
+    def best(self) -> Candidate | None:
+        passing = [c for c in self.candidates.values() if c.score > 0]
+        if not passing:
+            return None
+        return max(passing, key=lambda c: (c.score, c.goodput))
+
+
+# --- output -------------------------------------------------------------------------------
+
+def serve_command(config: TuneConfig, knobs: dict[str, Any]) -> str:
+    return shlex.join(["batchinfer", "serve", *config.server_flags, *knob_flags(knobs)])
+
+
+def write_outputs(tuner: Tuner, best: Candidate | None) -> dict[str, Path]:
+    config, out = tuner.config, tuner.dir
+    rows = []
+    for candidate in tuner.candidates.values():
+        for point in candidate.points.values():
+            if not point.runs:
+                continue
+            ok, _ = tuner.judge(point)
+            rows.append({"config": candidate.key, "rate": point.rate, "runs": len(point.runs),
+                         "ok": ok, "batch_size": point.median("batch_size"),
+                         "goodput": point.median("goodput"),
+                         "output_throughput": point.median("output_throughput"),
+                         **{k: point.median(k) for k in config.slo},
+                         **{f"{k}_spread": point.spread(k) for k in config.slo}})
+    summary = {
+        "slo": config.slo, "workload": {"input": config.input_len, "output": config.output_len},
+        "rates": list(tuner.rates), "repeats": config.repeats, "margin": config.margin,
+        "configs": [{"config": c.key, "knobs": c.knobs, "score_rate": c.score,
+                     "goodput": c.goodput, "failure": c.failure}
+                    for c in tuner.candidates.values()],
+        "points": rows,
+        "best": None if best is None else {"knobs": best.knobs, "rate": best.score,
+                                           "command": serve_command(config, best.knobs)},
+    }
+    paths = {"summary": out / "summary.json", "table": out / "table.md"}
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    paths["table"].write_text(markdown_table(config, rows))
+    if best is not None:
+        paths["config"] = out / "best-config.yaml"
+        paths["config"].write_text(best_config_yaml(config, best.knobs))
+    paths.update(plot(tuner, rows, out))
+    return paths
+
+
+def markdown_table(config: TuneConfig, rows: list[dict[str, Any]]) -> str:
+    keys = list(config.slo)
+    head = ["configuration", "rate (req/s)", "runs", "seqs/step", *keys, "goodput", "SLO"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["config"], f"{row['rate']:g}", str(row["runs"]),
+                 _fmt(row["batch_size"], ".1f"),
+                 *(f"{_fmt(row[k], '.0f')} ms ±{100 * row[f'{k}_spread']:.0f}%" for k in keys),
+                 _fmt(row["goodput"], ".2f"), "ok" if row["ok"] else "over"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def best_config_yaml(config: TuneConfig, knobs: dict[str, Any]) -> str:
+    """The winner as `batchinfer serve --config` reads it: flag names to values."""
+    import yaml  # type: ignore[import-untyped]
+
+    data: dict[str, Any] = {}
+    flags = list(config.server_flags)
+    while flags:
+        name = flags.pop(0)
+        if not name.startswith("--"):
+            continue
+        if flags and not flags[0].startswith("--"):
+            data[name[2:]] = flags.pop(0)
+        elif name.startswith("--no-"):
+            data[name[5:]] = False
+        else:
+            data[name[2:]] = True
+    data.update({k.replace("_", "-"): v for k, v in knobs.items()})
+    header = (f"# batchinfer tune: best configuration for {', '.join(f'{k} <= {v:g} ms' for k, v in config.slo.items())}\n"
+              f"# batchinfer serve --config {Path(config.result_dir) / 'best-config.yaml'}\n")
+    return header + yaml.safe_dump(data, sort_keys=False)
+
+
+def plot(tuner: Tuner, rows: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+    from matplotlib.figure import Figure
+
+    if not rows:
+        return {}
+    paths: dict[str, Path] = {}
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    ax = figure.subplots()
+    for key in dict.fromkeys(r["config"] for r in rows):
+        points = [r for r in rows if r["config"] == key and r["goodput"] is not None]
+        if points:
+            ax.plot([p["rate"] for p in points], [p["goodput"] for p in points], "o-",
+                    label=key)
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("goodput (req/s meeting every SLO)")
+    ax.set_title("Goodput vs rate per configuration")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    paths["goodput_plot"] = out / "goodput-vs-rate.png"
+    figure.savefig(paths["goodput_plot"], dpi=110)
+
+    figure = Figure(figsize=(11, 4.5), layout="constrained")
+    axes = figure.subplots(1, 2)
+    runs = list(tuner.done.values())
+    for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
+        xs = [r["batch_size"] for r in runs if r.get("batch_size") and r.get(f"{metric}_p99")]
+        ys = [r[f"{metric}_p99"] for r in runs if r.get("batch_size") and r.get(f"{metric}_p99")]
+        ax.scatter(xs, ys, s=18)
+        for key, limit in tuner.config.slo.items():
+            if key.startswith(metric):
+                ax.axhline(limit, color="#d3455b", linestyle="--", label=f"SLO {key} {limit:g} ms")
+        ax.set_xlabel("sequences per step (server-side, mean of a run)")
+        ax.set_ylabel(f"{metric.upper()} p99 (ms)")
+        ax.set_title(f"{metric.upper()} p99 vs real batch size")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    paths["latency_plot"] = out / "latency-vs-batch.png"
+    figure.savefig(paths["latency_plot"], dpi=110)
+    return paths
+
+
+def print_table(console: Console, tuner: Tuner, best: Candidate | None) -> None:
+    table = Table(title="batchinfer tune: every configuration tried")
+    for column in ("configuration", "best rate meeting the SLO", "goodput", "stopped by"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    for c in tuner.candidates.values():
+        mark = " [bold green]<- best[/bold green]" if best is not None and c is best else ""
+        table.add_row(c.key + mark, f"{c.score:g} req/s" if c.score else "none",
+                      f"{c.goodput:.2f}", c.failure or "")
+    console.print(table)
+
+
+def tune(config: TuneConfig, console: Console | None = None) -> int:
+    """Run the search and write its outputs; 0 when a configuration meets the SLO, else 1."""
+    console = console or Console()
+    tuner = Tuner(config, console)
+    best = tuner.run()
+    paths = write_outputs(tuner, best)
+    print_table(console, tuner, best)
+    for kind, path in paths.items():
+        console.print(f"{kind}: {path}")
+    if tuner.out_of_time:
+        console.print("[yellow]stopped at the time budget[/yellow]")
+    if best is None:
+        closest = max(tuner.candidates.values(), key=lambda c: c.goodput, default=None)
+        reason = f" (e.g. {closest.key}: {closest.failure})" if closest and closest.failure \
+            else ""
+        console.print(f"[red]no configuration met the SLO "
+                      f"{', '.join(f'{k} <= {v:g} ms' for k, v in config.slo.items())} at any "
+                      f"rate tried{reason}: relax the SLO, lower --rate or shorten the "
+                      f"workload[/red]")
+        return 1
+    console.print(f"[bold]best:[/bold] {best.key}: {best.score:g} req/s within the SLO")
+    console.print(f"  {serve_command(config, best.knobs)}")
+    if "config" in paths:
+        console.print(f"  batchinfer serve --config {paths['config']}")
+    return 0
