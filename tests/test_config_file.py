@@ -43,6 +43,18 @@ def test_json_lists_and_booleans_become_flags(tmp_path: Path) -> None:
     args = parser.parse_args(argv)
     assert args.goodput == ["ttft:500", "tpot:100"]
     assert args.num_prompts == 8 and args.seed == 3
+    assert args.plots is False  # `no_plots: true` is the switch --no-plots
+
+
+def test_the_command_line_wins_and_odd_values_pass(tmp_path: Path) -> None:
+    path = tmp_path / "gen.yaml"
+    path.write_text('stop: ["--end", "###"]\nmax-tokens: 5\n')
+    parser = build_parser()
+    args = parser.parse_args(expand_config(parser, ["generate", "--conf", str(path)]))
+    assert args.stop == ["--end", "###"] and args.max_tokens == 5
+    args = parser.parse_args(expand_config(parser, ["generate", "--config", str(path),
+                                                    "--stop", "x", "--max-tokens=9"]))
+    assert args.stop == ["x"] and args.max_tokens == 9  # the file's values gave way
 
 
 @pytest.mark.parametrize(("text", "message"), [

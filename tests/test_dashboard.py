@@ -47,7 +47,14 @@ def load(base_url: str, n: int = 12) -> None:
 def test_data_fills_under_load_and_the_key_guards_it(server: str) -> None:
     assert httpx.get(f"{server}/dashboard").status_code == 401
     assert httpx.get(f"{server}/dashboard/data?api_key=wrong").status_code == 401
-    page = httpx.get(f"{server}/dashboard?api_key={KEY}")
+    # ?api_key= opens the dashboard only: every other route still wants the header.
+    assert httpx.get(f"{server}/v1/models?api_key={KEY}").status_code == 401
+    assert httpx.get(f"{server}/dashboard/data",
+                     cookies={"batchinfer_dashboard_key": "wrong"}).status_code == 401
+    with httpx.Client(follow_redirects=True) as browser:
+        page = browser.get(f"{server}/dashboard?api_key={KEY}")
+        assert page.url.query == b""  # redirected: the key left the address for a cookie
+        assert browser.get(f"{server}/dashboard/data").status_code == 200
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     # Nothing from the network: no script, style or image from elsewhere.
     assert not re.search(r"(src|href)=[\"']?(https?:)?//", page.text)

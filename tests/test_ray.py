@@ -69,10 +69,11 @@ def cluster() -> Iterator[dict[str, str]]:
 
 @contextlib.contextmanager
 def deployed(model: Path, routing: str = "default", num_replicas: int = 2,
-             max_num_seqs: int = 4) -> Iterator[EngineConfig]:
+             max_num_seqs: int = 4, server: ServerConfig | None = None
+             ) -> Iterator[EngineConfig]:
     config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=max_num_seqs,
                                       kv_cache_memory="16M", seed=0)
-    app = build_application(config, ServerConfig(), RayServeConfig(
+    app = build_application(config, server or ServerConfig(), RayServeConfig(
         num_replicas=num_replicas, cpus_per_replica=0.5, routing=routing,
         metrics_interval_s=0.5))
     serve.run(app, name=APP, route_prefix="/", blocking=False)
@@ -320,6 +321,25 @@ def test_a_killed_replica_is_replaced_and_its_requests_end_cleanly(
         after = httpx.post(f"{base_url}/v1/completions", timeout=60,
                            json={"model": "default", "prompt": "again", "max_tokens": 4})
         assert after.status_code == 200
+
+
+@pytest.mark.slow
+def test_full_queues_answer_429_like_one_server(cluster: dict[str, str], model: Path) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster["base_url"], timeout=120) as http:
+            return await asyncio.gather(*[
+                http.post("/v1/completions", json={"model": "default", "prompt": f"r{i}",
+                                                   "max_tokens": 300, "ignore_eos": True})
+                for i in range(12)])
+
+    with deployed(model, num_replicas=1, max_num_seqs=1,
+                  server=ServerConfig(max_num_queued_requests=2)):
+        responses = asyncio.run(burst())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and all(r.json()["error"]["code"] in ("queue_full", "overloaded")
+                           for r in refused)
+    assert all(r.status_code in (200, 429) for r in responses)
+    assert any(r.status_code == 200 for r in responses)
 
 
 @pytest.mark.slow

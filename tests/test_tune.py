@@ -31,7 +31,7 @@ def tune_argv(model: Path, result_dir: Path, slo: str, max_configs: int) -> list
     return ["tune", "--slo", slo, "--workload", "input=8:16,output=4:8", "--rate", "3",
             "--num-prompts", "6", "--num-warmups", "1", "--max-configs", str(max_configs),
             "--time-budget", "5m", "--result-dir", str(result_dir), "--model", str(model),
-            "--dtype", "float32", "--kv-cache-memory", "16M"]
+            "--dtype", "float32", "--kv-cache-memory", "16M", "--no-enable-prefix-caching"]
 
 
 def test_tune_writes_a_config_that_serve_reads_back(
@@ -58,20 +58,29 @@ def test_tune_writes_a_config_that_serve_reads_back(
     # The config file is what `serve --config` reads; it yields the winner's engine config.
     config_file = out / "best-config.yaml"
     knobs = yaml.safe_load(config_file.read_text())
-    assert knobs["model"] == str(model)
+    assert knobs["model"] == str(model) and knobs["enable-prefix-caching"] is False
     assert main(["serve", "--config", str(config_file), "--print-config"]) == 0
     from_file = json.loads(capsys.readouterr().out)
     flags = [part for key, value in best["knobs"].items()
              for part in (f"--{key.replace('_', '-')}", str(value))]
     assert main(["serve", "--model", str(model), "--dtype", "float32", "--kv-cache-memory",
-                 "16M", *flags, "--print-config"]) == 0
+                 "16M", "--no-enable-prefix-caching", *flags, "--print-config"]) == 0
     assert from_file == json.loads(capsys.readouterr().out)
 
-    # Rerun: every run is read back, none measured again, same winner.
+    # Rerun: every run is read back, none measured again, same winner; also under another
+    # SLO percentile (each run keeps p50/p90/p95/p99 of every metric).
     size = (out / "runs.jsonl").stat().st_size
     assert main(argv) == 0
     assert (out / "runs.jsonl").stat().st_size == size
     assert json.loads((out / "summary.json").read_text())["best"] == best
+    other_slo = [a if a != "ttft_p99=60000,tpot_p99=60000" else "ttft_p90=60000" for a in argv]
+    assert main(other_slo) == 0
+    assert (out / "runs.jsonl").stat().st_size == size
+    # Another workload is another setup: its runs are measured, not read back.
+    changed = [{"input=8:16,output=4:8": "input=8:12,output=4:6"}.get(a, a) for a in argv]
+    changed[changed.index("--max-configs") + 1] = "1"
+    assert main(changed) == 0
+    assert (out / "runs.jsonl").stat().st_size > size
 
 
 def test_an_slo_nothing_meets_exits_1_with_the_reason(

@@ -100,7 +100,7 @@ def latency_values_s(results: Sequence[RequestResult]) -> dict[str, list[float]]
 
 def percentile_key(p: float) -> str:
     """vLLM's spelling of a percentile in a key: 99 -> "p99", 99.9 -> "p99.9"."""
-    return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
 
 
 def vllm_flat_metrics(results: Sequence[RequestResult], metrics: BenchMetrics,

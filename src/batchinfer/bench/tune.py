@@ -81,16 +81,28 @@ class TuneConfig:
     margin: float = 0.25
     max_configs: int | None = None
     seed: int = 0
-    server_flags: tuple[str, ...] = ()  # engine flags every configuration gets (--model ...)
+    engine: dict[str, Any] = field(default_factory=dict)  # knobs every server gets (model...)
     server_cmd: tuple[str, ...] = SERVE_COMMAND
+
+    @property
+    def server_flags(self) -> tuple[str, ...]:
+        return tuple(knob_flags(self.engine))
+
+    def setup(self) -> str:
+        """What a stored run depends on besides its configuration and rate: a run measured
+        under another workload or model is not read back."""
+        return json.dumps({"input": self.input_len, "output": self.output_len,
+                           "num_prompts": self.num_prompts, "num_warmups": self.num_warmups,
+                           "seed": self.seed, "engine": self.engine}, sort_keys=True)
 
     def __post_init__(self) -> None:
         if not self.slo:
             raise ValueError("--slo needs at least one KEY=MS, e.g. ttft_p99=2000")
         for key, value in self.slo.items():
-            if not SLO_KEY.match(key):
+            match = SLO_KEY.match(key)
+            if not match or not 0 < float(match.group(2)) <= 100:
                 raise ValueError(f"--slo {key!r}: expected METRIC_pN with METRIC one of "
-                                 f"{', '.join(SLO_METRICS)} (e.g. ttft_p99)")
+                                 f"{', '.join(SLO_METRICS)} and 0 < N <= 100 (e.g. ttft_p99)")
             if not value > 0:
                 raise ValueError(f"--slo {key}: the limit must be > 0 ms")
         parse_length_spec(self.input_len, "--workload input")
@@ -146,10 +158,14 @@ def config_key(knobs: dict[str, Any]) -> str:
 
 
 def knob_flags(knobs: dict[str, Any]) -> list[str]:
+    """`serve` flags saying what `knobs` (field name -> value) say."""
     flags: list[str] = []
     for name, value in knobs.items():
-        flags += [f"--{name.replace('_', '-')}",
-                  f"{value:g}" if isinstance(value, float) else str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", f"{value:g}" if isinstance(value, float) else str(value)]
     return flags
 
 
@@ -196,20 +212,26 @@ class Tuner:
         self.done = self._load_runs()
         self.started_s = time.monotonic()
         self.candidates: dict[str, Candidate] = {}
-        self.rates: tuple[float, ...] = config.rates
+        self.rates: tuple[float, ...] = tuple(sorted(set(config.rates)))
         self.out_of_time = False
+        self.startup_s = 30.0  # a server's start, until one is measured
+        self.fresh = False  # the server just started: the next run warms it up first
+        self.started = False  # the current configuration's server is up
 
     # --- measuring ------------------------------------------------------------------------
 
     def _load_runs(self) -> dict[tuple[str, float, int], dict[str, Any]]:
+        """The runs an earlier tune of the same setup measured (others are ignored)."""
         done: dict[tuple[str, float, int], dict[str, Any]] = {}
+        setup = self.config.setup()
         if self.runs_path.exists():
             for line in self.runs_path.read_text().splitlines():
                 try:
                     run = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a kill
-                done[(run["config"], float(run["rate"]), int(run["repeat"]))] = run
+                if run.get("setup") == setup:
+                    done[(run["config"], float(run["rate"]), int(run["repeat"]))] = run
         return done
 
     def remaining_s(self) -> float:
@@ -221,9 +243,10 @@ class Tuner:
                    if k.split("_")[0] in ("ttft", "tpot", "e2el")}
         return BenchConfig(base_url=base_url, endpoint="completions", num_prompts=c.num_prompts,
                            input_len=c.input_len, output_len=c.output_len, request_rate=rate,
-                           num_warmups=c.num_warmups if repeat == 0 else 0,
+                           num_warmups=c.num_warmups if self.fresh else 0,
                            seed=c.seed + repeat, goodput_slos_ms=goodput, plots=False,
-                           show_progress=False)
+                           show_progress=False,
+                           request_timeout_s=max(10.0, min(600.0, self.remaining_s())))
 
     def _expected_s(self, rate: float) -> float:
         """A run's likely length: its arrivals plus a margin for the tail."""
@@ -235,11 +258,13 @@ class Tuner:
         stored = self.done.get((candidate.key, rate, repeat))
         if stored is not None:
             return stored
-        if self._expected_s(rate) > self.remaining_s():
+        startup_s = self.startup_s if not self.started else 0.0
+        if self._expected_s(rate) + startup_s > self.remaining_s():
             self.out_of_time = True
             return None
-        result = run_async(run_with_progress(self._bench(base_url(), rate, repeat),
-                                             self.console))
+        url = base_url()
+        result = run_async(run_with_progress(self._bench(url, rate, repeat), self.console))
+        self.fresh = False
         run = self._summarize(candidate, rate, repeat, result)
         with open(self.runs_path, "a") as out:
             out.write(json.dumps(run) + "\n")
@@ -251,20 +276,23 @@ class Tuner:
         import numpy as np
 
         m = result.metrics
-        run: dict[str, Any] = {"config": candidate.key, "knobs": candidate.knobs, "rate": rate,
+        run: dict[str, Any] = {"config": candidate.key, "knobs": candidate.knobs,
+                               "rate": rate if math.isfinite(rate) else "inf",
                                "repeat": repeat, "completed": m.completed, "failed": m.failed,
                                "request_throughput": m.request_throughput,
                                "output_throughput": m.output_throughput,
                                "goodput": m.goodput, "duration_s": m.duration_s}
+        run["setup"] = self.config.setup()
         values = latency_values_s(result.results)
+        # Every metric at the usual percentiles (a rerun with another SLO reads them back),
+        # and the SLO's own percentiles.
+        wanted = {f"{m}_p{p}": (m, float(p)) for m in SLO_METRICS for p in (50, 90, 95, 99)}
         for key in self.config.slo:
             metric, percentile = SLO_KEY.match(key).groups()  # type: ignore[union-attr]
+            wanted[key] = (metric, float(percentile))
+        for key, (metric, percentile) in wanted.items():
             samples = values[metric]
-            run[key] = float(np.percentile(samples, float(percentile))) * 1000 \
-                if samples else None
-        for metric in ("ttft", "tpot"):
-            samples = values[metric]
-            run[f"{metric}_p99"] = float(np.percentile(samples, 99)) * 1000 if samples else None
+            run[key] = float(np.percentile(samples, percentile)) * 1000 if samples else None
         server = result.server.mean if result.server is not None else {}
         run["batch_size"] = server.get("batch_size")
         run["running"] = server.get("running")
@@ -303,8 +331,13 @@ class Tuner:
 
             def base_url() -> str:
                 if not started:
+                    begun = time.monotonic()
                     started.append(stack.enter_context(running_server(server, sweep, log)))
+                    self.startup_s = time.monotonic() - begun
+                    self.fresh = self.started = True
                 return started[0]
+
+            self.started = False
 
             try:
                 if not self.rates:
@@ -323,6 +356,8 @@ class Tuner:
             except ValueError as exc:  # the server did not start with these knobs
                 candidate.failure = f"server: {exc}"
                 self.console.print(f"  [red]{candidate.failure}[/red]")
+        if self.out_of_time and candidate.failure is None:
+            candidate.failure = "the time budget ended"
         return candidate
 
     def _measure_point(self, candidate: Candidate, point: Point,
@@ -418,9 +453,10 @@ def write_outputs(tuner: Tuner, best: Candidate | None) -> dict[str, Path]:
         for point in candidate.points.values():
             if not point.runs:
                 continue
-            ok, _ = tuner.judge(point)
+            complete = len(point.runs) >= config.repeats
+            ok = complete and tuner.judge(point)[0]
             rows.append({"config": candidate.key, "rate": point.rate, "runs": len(point.runs),
-                         "ok": ok, "batch_size": point.median("batch_size"),
+                         "ok": ok, "complete": complete, "batch_size": point.median("batch_size"),
                          "goodput": point.median("goodput"),
                          "output_throughput": point.median("output_throughput"),
                          **{k: point.median(k) for k in config.slo},
@@ -438,9 +474,12 @@ def write_outputs(tuner: Tuner, best: Candidate | None) -> dict[str, Path]:
     paths = {"summary": out / "summary.json", "table": out / "table.md"}
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
     paths["table"].write_text(markdown_table(config, rows))
+    stale = out / "best-config.yaml"
     if best is not None:
-        paths["config"] = out / "best-config.yaml"
+        paths["config"] = stale
         paths["config"].write_text(best_config_yaml(config, best.knobs))
+    elif stale.exists():
+        stale.unlink()  # an earlier tune's winner must not pass for this one's
     paths.update(plot(tuner, rows, out))
     return paths
 
@@ -453,7 +492,8 @@ def markdown_table(config: TuneConfig, rows: list[dict[str, Any]]) -> str:
         cells = [row["config"], f"{row['rate']:g}", str(row["runs"]),
                  _fmt(row["batch_size"], ".1f"),
                  *(f"{_fmt(row[k], '.0f')} ms ±{100 * row[f'{k}_spread']:.0f}%" for k in keys),
-                 _fmt(row["goodput"], ".2f"), "ok" if row["ok"] else "over"]
+                 _fmt(row["goodput"], ".2f"),
+                 "ok" if row["ok"] else "over" if row["complete"] else "incomplete"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -466,20 +506,9 @@ def best_config_yaml(config: TuneConfig, knobs: dict[str, Any]) -> str:
     """The winner as `batchinfer serve --config` reads it: flag names to values."""
     import yaml  # type: ignore[import-untyped]
 
-    data: dict[str, Any] = {}
-    flags = list(config.server_flags)
-    while flags:
-        name = flags.pop(0)
-        if not name.startswith("--"):
-            continue
-        if flags and not flags[0].startswith("--"):
-            data[name[2:]] = flags.pop(0)
-        elif name.startswith("--no-"):
-            data[name[5:]] = False
-        else:
-            data[name[2:]] = True
-    data.update({k.replace("_", "-"): v for k, v in knobs.items()})
-    header = (f"# batchinfer tune: best configuration for {', '.join(f'{k} <= {v:g} ms' for k, v in config.slo.items())}\n"
+    data = {k.replace("_", "-"): v for k, v in {**config.engine, **knobs}.items()}
+    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in config.slo.items())
+    header = (f"# batchinfer tune: best configuration for {slo}\n"
               f"# batchinfer serve --config {Path(config.result_dir) / 'best-config.yaml'}\n")
     return header + yaml.safe_dump(data, sort_keys=False)
 
@@ -529,7 +558,8 @@ def plot(tuner: Tuner, rows: list[dict[str, Any]], out: Path) -> dict[str, Path]
 def print_table(console: Console, tuner: Tuner, best: Candidate | None) -> None:
     table = Table(title="batchinfer tune: every configuration tried")
     for column in ("configuration", "best rate meeting the SLO", "goodput", "stopped by"):
-        table.add_column(column, justify="left" if column == "configuration" else "right")
+        table.add_column(column, justify="left" if column == "configuration" else "right",
+                         overflow="fold")
     for c in tuner.candidates.values():
         mark = " [bold green]<- best[/bold green]" if best is not None and c is best else ""
         table.add_row(c.key + mark, f"{c.score:g} req/s" if c.score else "none",
@@ -548,15 +578,21 @@ def tune(config: TuneConfig, console: Console | None = None) -> int:
         console.print(f"{kind}: {path}")
     if tuner.out_of_time:
         console.print("[yellow]stopped at the time budget[/yellow]")
+    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in config.slo.items())
     if best is None:
-        closest = max(tuner.candidates.values(), key=lambda c: c.goodput, default=None)
-        reason = f" (e.g. {closest.key}: {closest.failure})" if closest and closest.failure \
-            else ""
-        console.print(f"[red]no configuration met the SLO "
-                      f"{', '.join(f'{k} <= {v:g} ms' for k, v in config.slo.items())} at any "
-                      f"rate tried{reason}: relax the SLO, lower --rate or shorten the "
-                      f"workload[/red]")
+        failed = [c for c in tuner.candidates.values() if c.failure]
+        if not failed and tuner.out_of_time:
+            console.print(f"[red]the time budget ended before any configuration was measured "
+                          f"against the SLO {slo}: raise --time-budget or lower "
+                          f"--num-prompts[/red]")
+            return 1
+        reason = f" (e.g. {failed[0].key}: {failed[0].failure})" if failed else ""
+        console.print(f"[red]no configuration met the SLO {slo} at any rate tried{reason}: "
+                      f"relax the SLO, lower --rate or shorten the workload[/red]")
         return 1
+    if tuner.rates and best.score >= max(tuner.rates):
+        console.print("[yellow]the best configuration held the SLO at the highest rate tried: "
+                      "higher rates may hold too (raise --rate)[/yellow]")
     console.print(f"[bold]best:[/bold] {best.key}: {best.score:g} req/s within the SLO")
     console.print(f"  {serve_command(config, best.knobs)}")
     if "config" in paths:

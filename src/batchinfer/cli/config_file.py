@@ -32,8 +32,15 @@ def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
         if child is None:
             break
         sub, words = child, words + 1
-    flags = config_flags(sub, load_config(path), path)
+    given = {item.split("=", 1)[0] for item in rest[words:] if item.startswith("--")}
+    flags = config_flags(sub, load_config(path), path, given)
     return [*rest[:words], *flags, *rest[words:]]
+
+
+def _is_config_flag(item: str) -> bool:
+    """`--config` or an abbreviation argparse would accept for it (`--conf`)."""
+    name = item.split("=", 1)[0]
+    return len(name) >= len("--conf") and CONFIG_FLAG.startswith(name)
 
 
 def _take_config(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -41,11 +48,14 @@ def _take_config(argv: list[str]) -> tuple[str | None, list[str]]:
     path: str | None = None
     items = iter(argv)
     for item in items:
-        if item == CONFIG_FLAG:
+        if item == "--":  # what follows is not flags
+            rest += [item, *items]
+            break
+        if _is_config_flag(item) and "=" not in item:
             path = next(items, None)
             if path is None:
                 raise ValueError(f"{CONFIG_FLAG} needs a file")
-        elif item.startswith(CONFIG_FLAG + "="):
+        elif _is_config_flag(item):
             path = item.split("=", 1)[1]
         else:
             rest.append(item)
@@ -81,14 +91,17 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
 
 def config_flags(parser: argparse.ArgumentParser, data: dict[str, Any],
-                 source: str | Path = "the config") -> list[str]:
-    """The command-line flags that say what `data` says."""
+                 source: str | Path = "the config", given: set[str] | None = None) -> list[str]:
+    """The command-line flags that say what `data` says, but for those the command line
+    `given` already has (in any of their spellings): the command line wins."""
     out: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).strip().removeprefix("--").replace("_", "-")
         action = parser._option_string_actions.get(flag)
         if action is None or flag == CONFIG_FLAG:
             raise ValueError(f"{CONFIG_FLAG} {source}: unknown key {key!r} (no flag {flag})")
+        if given and given & set(action.option_strings):
+            continue
         out += _as_flags(flag, action, value, source)
     return out
 
@@ -100,17 +113,21 @@ def _as_flags(flag: str, action: argparse.Action, value: Any, source: str | Path
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return [flag if value else "--no-" + flag[2:]]
     if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        # The key names the switch itself (`no-plots: true` gives --no-plots).
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
-        return [flag] if value == isinstance(action, argparse._StoreTrueAction) else []
+        return [flag] if value else []
     if value is None:
         return []
+    if isinstance(action, argparse._AppendAction):  # given once per value
+        values = value if isinstance(value, list) else [value]
+        return [f"{flag}={_text(v, where)}" for v in values]
     if action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1):
         values = value if isinstance(value, list) else [value]
         return [flag, *(_text(v, where) for v in values)]
     if isinstance(value, list | dict):
         raise ValueError(f"{where} takes one value, got {value!r}")
-    return [flag, _text(value, where)]
+    return [f"{flag}={_text(value, where)}"]  # `=`: a value may start with "--"
 
 
 def _text(value: Any, where: str) -> str:

@@ -10,6 +10,9 @@ from typing import Any
 from batchinfer.cli.options import add_engine_flags, collect_flags
 from batchinfer.core.config import EngineConfig
 
+SEARCHED = ("batching", "max_num_seqs", "max_num_batched_tokens", "max_batch_size",
+            "max_batch_delay_ms", "preset")
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -46,14 +49,14 @@ def register(subparsers: Any) -> None:
                         "the point is measured again (0.25)")
     parser.add_argument("--max-configs", type=int, default=None,
                         help="most configurations to try (default: until the budget ends)")
-    add_engine_flags(parser)
+    # The knobs tune searches are its own to set; every other engine flag goes to each server.
+    add_engine_flags(parser, exclude=SEARCHED)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from batchinfer.bench.tune import (
         TuneConfig,
-        knob_flags,
         parse_duration,
         parse_slo,
         parse_workload,
@@ -78,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
         margin=args.margin, max_configs=args.max_configs,
         seed=args.seed if args.seed is not None else 0,  # the workload's, and the engines'
 
-        server_flags=tuple(knob_flags(engine)))
+        engine=engine)
     return tune(config)

@@ -37,7 +37,10 @@ from batchinfer.integrations.ray_cluster import actor_cpus, actor_engine_config,
 
 class LineAnswerer:
     """One engine actor of the pool: the server app (generator and/or encoder) in this
-    process, answering a batch of lines at a time, `max_in_flight` of them in the engine."""
+    process. `__call__` is a coroutine, so Ray Data hands an actor its next batches while the
+    current one finishes (an async actor runs them at once); one window of `max_in_flight`
+    lines, shared by all of them, keeps the engine full across batch boundaries instead of
+    draining it at the end of each batch."""
 
     def __init__(self, engine_config: EngineConfig | None, embedding_model: str | None,
                  served_model_name: str | None, max_in_flight: int) -> None:
@@ -53,24 +56,32 @@ class LineAnswerer:
             load_before_serving=True)
         self.app = build_app(engine_config, config)
         self.lifespan = self.app.router.lifespan_context(self.app)
-        self._run(self.lifespan.__aenter__())
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(self._open(), self.loop)
+        future.result()
+
+    async def _open(self) -> None:
+        await self.lifespan.__aenter__()
         self.client = AppClient(self.app)
+        self.window = asyncio.Semaphore(self.max_in_flight)  # lines in the engine, all batches
 
-    def _run(self, coroutine: Any) -> Any:
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        return future.result()
-
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+    async def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         lines = [parse_line(int(index), str(text))
                  for index, text in zip(batch["index"], batch["text"], strict=True)]
-        answers = self._run(self._answer(lines))
+        # The app lives on this actor's own loop thread; Ray Data awaits on its loop.
+        answers = await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._answer(lines), self.loop))
         return {"index": [line.index for line in lines],
                 "output": [json.dumps(answer, ensure_ascii=False) for answer in answers]}
 
     async def _answer(self, lines: list[BatchLine]) -> list[dict[str, Any]]:
+        handler = retrying(self.client, asyncio.Event())
+
+        async def windowed(url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
+            async with self.window:
+                return await handler(url, body)
+
         answers: list[dict[str, Any]] = []
-        await run_lines(lines, retrying(self.client, asyncio.Event()),
-                        lambda _, result: answers.append(result), self.max_in_flight)
+        await run_lines(lines, windowed, lambda _, result: answers.append(result), len(lines))
         return answers
 
 

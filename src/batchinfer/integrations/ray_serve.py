@@ -542,11 +542,25 @@ def serve_on_ray(engine_config: EngineConfig | None, server_config: ServerConfig
     how = connect(address, **init)
     import ray
 
+    # Ray's own handler would abort the process on SIGTERM: ours stop it cleanly, whether the
+    # signal comes while deploying (the wait is interrupted) or while serving.
+    stop = threading.Event()
+    deployed = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if deployed:
+            stop.set()
+        else:
+            raise _Stopped(signum)
+
+    originals = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": host, "port": port})
         app = build_application(engine_config, server_config, ray_config)
         try:
             serve.run(app, name=ray_config.app_name, route_prefix="/", blocking=False)
+        except _Stopped:
+            raise
         except Exception as exc:
             logger.error("deploying on Ray Serve failed: %s", exc)
             return 1
@@ -555,33 +569,39 @@ def serve_on_ray(engine_config: EngineConfig | None, server_config: ServerConfig
         except ValueError:
             serve.delete(ray_config.app_name)
             raise
-        # Only now: Ctrl-C while deploying interrupts the wait (KeyboardInterrupt).
-        stop = threading.Event()
-        originals = {sig: signal.signal(sig, lambda *_: stop.set())
-                     for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            layout = (f"{ray_config.autoscale[0]}-{ray_config.autoscale[1]} replicas "
-                      "(autoscaling)" if ray_config.autoscale
-                      else f"{ray_config.num_replicas} replica(s)")
-            logger.info("batchinfer on Ray Serve: http://%s:%d (%s, routing %s); each "
-                        "replica's metrics (ray_batchinfer_*, label replica) at %s", host, port,
-                        layout, ray_config.routing,
-                        " ".join(metrics_export_urls()) or "Ray's export")
-            while not stop.wait(1.0):
-                pass
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
+        deployed = True
+        layout = (f"{ray_config.autoscale[0]}-{ray_config.autoscale[1]} replicas (autoscaling)"
+                  if ray_config.autoscale else f"{ray_config.num_replicas} replica(s)")
+        logger.info("batchinfer on Ray Serve: http://%s:%d (%s, routing %s); each replica's "
+                    "metrics (ray_batchinfer_*, label replica) at %s", host, port, layout,
+                    ray_config.routing, " ".join(metrics_export_urls()) or "Ray's export")
+        while not stop.wait(1.0):
+            pass
         logger.info("stopping: taking the application down")
         with contextlib.suppress(Exception):
             serve.delete(ray_config.app_name)
         return 0
+    except _Stopped as stopped:
+        logger.info("stopped while deploying")
+        with contextlib.suppress(Exception):
+            serve.delete(ray_config.app_name)
+        return 130 if stopped.signum == signal.SIGINT else 0
     finally:
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
         if how == "started":  # a local cluster of our own: Serve and Ray go with it
             with contextlib.suppress(Exception):
                 serve.shutdown()
         if how is not None:
             ray.shutdown()
+
+
+class _Stopped(BaseException):
+    """A stop signal that came while deploying."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _check_proxy(host: str, port: int) -> None:

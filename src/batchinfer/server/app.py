@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from http.cookies import Morsel, SimpleCookie
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -34,7 +35,7 @@ from batchinfer.core.outputs import SchedulerStats
 from batchinfer.core.validation import check_int, check_non_negative
 from batchinfer.engine.async_llm import AsyncLLM
 from batchinfer.engine.outputs import RequestStats
-from batchinfer.server.dashboard import DASHBOARD_PATHS, DashboardRecorder
+from batchinfer.server.dashboard import DASHBOARD_COOKIE, DASHBOARD_PATHS, DashboardRecorder
 from batchinfer.server.errors import APIError, error_response, install_error_handlers
 from batchinfer.server.metrics import ServerMetrics
 from batchinfer.server.protocol import (
@@ -58,6 +59,7 @@ CUT_MARGIN_S = 0.5
 # (/v1/*, /tokenize, /detokenize, /version, /docs, /openapi.json) costs work or shows the API.
 OPEN_PATHS = ("/health", "/metrics")
 UPLOAD_PATH = "/v1/files"
+_NO_COOKIE: Morsel[str] = Morsel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,23 +331,29 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(content, media_type=media_type)
 
     @app.get("/dashboard")
-    async def dashboard() -> Response:
-        from fastapi.responses import HTMLResponse
+    async def dashboard(request: Request) -> Response:
+        from fastapi.responses import HTMLResponse, RedirectResponse
 
         from batchinfer.server.dashboard import page
 
-        return HTMLResponse(page())
+        key = request.query_params.get("api_key")
+        if key is not None:  # the guard checked it: keep it as a cookie, not in the address
+            response: Response = RedirectResponse(request.url.remove_query_params("api_key"),
+                                                  status_code=303)
+            response.set_cookie(DASHBOARD_COOKIE, key, httponly=True, samesite="strict",
+                                path="/dashboard")
+            return response
+        return HTMLResponse(page(), headers={"cache-control": "no-store"})
 
     @app.get("/dashboard/data")
-    async def dashboard_data() -> dict[str, Any]:
+    async def dashboard_data() -> Response:
         llm = state.llm
-        if llm is None:
-            _, status = state.health()
-            return {"status": status, "series": {}, "latency": {}, "limits": {}}
-        data = state.dashboard.snapshot(llm.engine.clock(), llm.engine.config)
-        data["status"] = state.health()[1]
-        data["model"] = state.serving.model_name if state.serving is not None else None
-        return data
+        data: dict[str, Any] = {"status": state.health()[1], "series": {}, "latency": {},
+                                "limits": {}}
+        if llm is not None:
+            data.update(state.dashboard.snapshot(llm.engine.clock(), llm.engine.config))
+            data["model"] = state.serving.model_name if state.serving is not None else None
+        return JSONResponse(data, headers={"cache-control": "no-store"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -475,9 +483,11 @@ class RequestGuard:
                query: bytes = b"") -> Response | None:
         given = headers.get("authorization", "").encode()
         if not given and path in DASHBOARD_PATHS:
-            # A browser opening the dashboard cannot send the header: ?api_key= instead.
-            key = parse_qs(query.decode("latin-1")).get("api_key")
-            given = f"Bearer {key[0]}".encode() if key else b""
+            # A browser cannot send the header: the key comes once as ?api_key= (the page then
+            # sets it as a cookie and drops it from its address) and then as that cookie.
+            key = parse_qs(query.decode("latin-1")).get("api_key") or \
+                [SimpleCookie(headers.get("cookie", "")).get(DASHBOARD_COOKIE, _NO_COOKIE).value]
+            given = f"Bearer {key[0]}".encode() if key[0] else b""
         batch_api = self.state.batch_api
         if batch_api is not None and hmac.compare_digest(given,
                                                          f"Bearer {batch_api.token}".encode()):

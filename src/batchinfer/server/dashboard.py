@@ -6,8 +6,10 @@ called on the server's loop, as the route that reads it): per-second buckets of 
 `HISTORY_S` seconds (steps, sequences and tokens per step: the real batch size, requests
 running and waiting, KV usage, preemption rate, output tokens), and the last
 `LATENCY_WINDOW_S` seconds of TTFT and ITL samples, by priority class. Both routes are behind
-`--api-key` like the rest; a browser, which cannot send the header, may give the key as
-`?api_key=` on these two paths (the page passes it on to its data requests).
+`--api-key` like the rest; a browser, which cannot send the header, opens
+`/dashboard?api_key=KEY` once: the page is answered with a redirect to `/dashboard` that sets
+the key as an HttpOnly, same-site cookie for these two paths, so the key is not repeated in
+every refresh's address (nor in access logs).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 HISTORY_S = 300  # seconds of per-second history
 LATENCY_WINDOW_S = 60.0  # TTFT / ITL percentiles over this window
 DASHBOARD_PATHS = ("/dashboard", "/dashboard/data")
+DASHBOARD_COOKIE = "batchinfer_dashboard_key"
 
 
 @dataclass(slots=True)
@@ -97,12 +100,31 @@ class DashboardRecorder:
             while samples and samples[0][0] < now_s - LATENCY_WINDOW_S:
                 samples.popleft()
 
+    def _filled(self, now_s: float) -> list[Second]:
+        """The buckets of the window, a quiet second (no step: an idle engine) as zero work
+        with the gauges of the second before."""
+        rows: list[Second] = []
+        for bucket in self.seconds:
+            if bucket.second <= now_s - HISTORY_S:
+                continue
+            while rows and rows[-1].second + 1 < bucket.second:
+                last = rows[-1]
+                rows.append(Second(last.second + 1, running=last.running, waiting=last.waiting,
+                                   kv_usage=last.kv_usage,
+                                   preemption_rate=last.preemption_rate))
+            rows.append(bucket)
+        while rows and rows[-1].second + 1 < int(now_s):
+            last = rows[-1]
+            rows.append(Second(last.second + 1, running=last.running, waiting=last.waiting,
+                               kv_usage=last.kv_usage, preemption_rate=last.preemption_rate))
+        return rows
+
     def snapshot(self, now_s: float, config: EngineConfig | None) -> dict[str, Any]:
         """The JSON of `/dashboard/data`: series over the last seconds (time relative to now),
         latency percentiles over the last minute, overall and per class, and the limits the
         charts draw (seats, watermarks)."""
         self._trim(now_s)
-        rows = [b for b in self.seconds if b.second > now_s - HISTORY_S]
+        rows = self._filled(now_s)
         series: dict[str, list[float | None]] = {
             "t": [b.second - now_s for b in rows],
             "batch_size": [b.seqs / b.steps if b.steps else None for b in rows],
