@@ -11,7 +11,9 @@ times:
 - `ray xN`: `serve --ray --num-replicas N` (`--replicas`), the cores split between them.
 
 Each runs the same `bench serve` burst (`--num-prompts` random prompts `--input-len`, outputs
-`--output-len`, `--max-concurrency`, 2 warm-ups). Printed: output tok/s, TTFT p50/p99 and the
+`--output-len`, `--max-concurrency`, 2 warm-ups) after a discarded one of `--warmup-prompts`
+(another seed): the first burst through a fresh Ray deployment runs ~25 % slower than the next
+ones (its proxy, router and replica connections warming up), which a plain server does not. Printed: output tok/s, TTFT p50/p99 and the
 server-side running requests and sequences per step, read for the Ray layouts from Ray's
 metrics export (`--metrics-url`: every replica's series, running summed over them). Medians
 over the rounds; the CPU model with them.
@@ -64,6 +66,10 @@ def one_run(args: argparse.Namespace, label: str, flags: tuple[str, ...],
                         server_start_timeout_s=600)
     log = result_dir / f"server-{label.replace(' ', '-')}-{round_index}.log"
     with running_server(server, sweep, log) as base_url:
+        if args.warmup_prompts:
+            bench_serve(dataclasses.replace(bench, base_url=base_url, seed=args.seed + 1000,
+                                            num_prompts=args.warmup_prompts,
+                                            result_dir=None))
         result = bench_serve(dataclasses.replace(bench, base_url=base_url))
     m = result.metrics
     server_mean = result.server.mean if result.server is not None else {}
@@ -80,6 +86,8 @@ def main() -> None:
     parser.add_argument("--input-len", default="64:256")
     parser.add_argument("--output-len", default="32:96")
     parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--warmup-prompts", type=int, default=32,
+                        help="a discarded burst of this many prompts first (0: none)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--cores", type=int, default=None,

@@ -200,12 +200,20 @@ def report(records: list[StepRecord]) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor a forward pass reads in full: parameters and buffers, less the
-    embedding table (one row per token) and the RoPE tables (one row per position)."""
-    skip = {id(model.embed_tokens.weight), id(model.rope_cos), id(model.rope_sin)}
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
-    return sum(t.numel() * t.element_size() for t in tensors.values()
-               if t.device.type != "meta" and t.layout == torch.strided)
+    """Bytes a one-row forward pass reads in full: each linear's weight in the form its
+    one-row kernel reads (`KernelLinear.read_bytes`: int8, 4-bit, dense or packed), the other
+    parameters and buffers (norms), less the embedding table (one row per token) unless the LM
+    head reads it (tied), and the RoPE tables (one row per position)."""
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    total = sum(m.read_bytes[0] for m in linears)
+    skip = {id(model.rope_cos), id(model.rope_sin)}
+    if getattr(model, "lm_head", None) is not None:
+        skip.add(id(model.embed_tokens.weight))
+    inside = {id(t) for m in linears for t in [*m.parameters(), *m.buffers()]}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]
+               if id(t) not in skip and id(t) not in inside}
+    return total + sum(t.numel() * t.element_size() for t in tensors.values()
+                       if t.device.type != "meta" and t.layout == torch.strided)
 
 
 def stream_seconds(num_bytes: int) -> float:

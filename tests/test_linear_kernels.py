@@ -320,3 +320,15 @@ def test_a_quantized_layer_keeps_no_float_copy_of_its_weight(quantization, kerne
     floats = [t for t in held if t.dtype == torch.float32 and t.shape == (64, 64)]
     assert bool(floats) == keeps_float
     assert model[0](torch.randn(3, 64)).shape == (3, 64)
+
+
+def test_each_bucket_counts_the_bytes_its_kernel_reads():
+    w, b = weights(64, 256)
+    dense = KernelLinear(WeightForms(w, b), ("dense",) * 4)
+    assert dense.read_bytes == (w.numel() * 4 + b.numel() * 4,) * 4
+    int8 = KernelLinear(WeightForms(w, b), ("int8", "int8", "dense", "dense"))
+    # int8: one byte a weight plus a float32 scale per output channel (and the bias)
+    assert int8.read_bytes[0] == w.numel() + 64 * 4 + b.numel() * 4
+    assert int8.read_bytes[2] == dense.read_bytes[0]
+    q4 = KernelLinear(WeightForms(w, b), ("q4_dense",) * 4)
+    assert q4.read_bytes[0] < int8.read_bytes[0]  # half a byte a weight plus group scales

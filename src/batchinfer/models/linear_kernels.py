@@ -206,6 +206,21 @@ class WeightForms:
                 rows, packed, Q4_GROUP_SIZE, cast_pairs), bias, bf16)
         raise ValueError(f"unknown linear kernel {name!r}")
 
+    def nbytes(self, name: str) -> int:
+        """Bytes kernel `name` reads per call (its weight form, scales and bias), once
+        `kernel(name)` has made that form."""
+        def size(*tensors: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        if name.startswith("int8") and self._int8 is not None:
+            total = size(*self._int8)
+        elif name.startswith("q4") and self._q4 is not None:
+            packed, nibbles, pairs = self._q4
+            total = size(nibbles if name == "q4_dense" else packed, pairs)
+        else:  # dense, and packed (oneDNN's layout holds as many elements of the same type)
+            total = size(self.weight)
+        return total + size(self.bias)
+
     def release(self) -> None:
         """Drop the converted forms (the dense weight stays)."""
         self._packed = self._int8 = self._q4 = None
@@ -244,6 +259,8 @@ class KernelLinear(nn.Module):
         # kernel reads (the dense weight too, unless a dense kernel was chosen), is dropped.
         # Inference only, built on the weights' device: not moved with `.to()` afterwards.
         self._fns = [forms.kernel(name) for name in self.kernels]
+        # Bytes each bucket's kernel reads per call (a step's memory traffic for the weights).
+        self.read_bytes = tuple(forms.nbytes(name) for name in self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
