@@ -525,7 +525,11 @@ def build_application(engine_config: EngineConfig | None, server_config: ServerC
     most = ray_config.autoscale[1] if ray_config.autoscale else ray_config.num_replicas
     return IngressDeployment.options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=most * max_ongoing_requests(engine_config, server_config),
+        # Room for what the replicas hold plus the router's queue and one more: the request
+        # past a full queue reaches the router and gets its 429, instead of waiting unseen
+        # in front of the ingress.
+        max_ongoing_requests=most * max_ongoing_requests(engine_config, server_config)
+        + server_config.max_num_queued_requests + 1,
     ).bind(replicas, ray_config.prefix_chars if ray_config.routing == "prefix" else None,
            server_config.max_request_bytes)
 
