@@ -136,6 +136,16 @@ def test_ray_serve_config_names_a_bad_field(kwargs: dict, field: str) -> None:
         parse_autoscale("4")
 
 
+@pytest.mark.parametrize("argv", [
+    ["serve", "--num-replicas", "2"], ["serve", "--ray-routing", "prefix"],
+    ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--lines-per-batch", "8"],
+])
+def test_ray_flags_without_ray_are_refused(argv: list[str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "needs --ray" in capsys.readouterr().err
+
+
 def test_prefix_key_reads_the_prompt_start() -> None:
     def chat(text: str) -> bytes:
         return json.dumps({"messages": [{"role": "system", "content": "be brief"},
@@ -184,6 +194,9 @@ def test_two_replicas_answer_like_batchinfer_serve(cluster: dict[str, str], mode
         with pytest.raises(openai.BadRequestError) as bad:
             client.completions.create(model="default", prompt="x", max_tokens=-1)
         assert bad.value.body["param"] == "max_tokens"
+        # The Batch API stays off behind Ray (a job would live in one replica): a clear 503.
+        files = httpx.get(f"{base_url}/v1/files")
+        assert files.status_code == 503 and "run-batch --ray" in files.json()["error"]["message"]
         # Both replicas serve (Ray's export carries each one's counter under its label).
         prompts = [f"prompt number {i}" for i in range(16)]
 

@@ -216,7 +216,7 @@ class Tuner:
         self.out_of_time = False
         self.startup_s = 30.0  # a server's start, until one is measured
         self.fresh = False  # the server just started: the next run warms it up first
-        self.started = False  # the current configuration's server is up
+        self.url: str | None = None  # the current configuration's server, once started
 
     # --- measuring ------------------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class Tuner:
         stored = self.done.get((candidate.key, rate, repeat))
         if stored is not None:
             return stored
-        startup_s = self.startup_s if not self.started else 0.0
+        startup_s = self.startup_s if self.url is None else 0.0
         if self._expected_s(rate) + startup_s > self.remaining_s():
             self.out_of_time = True
             return None
@@ -327,17 +327,15 @@ class Tuner:
         self.console.print(f"[bold]configuration[/bold] {candidate.key}")
         log = self.dir / f"server-{len(self.candidates)}.log"
         with contextlib.ExitStack() as stack:
-            started: list[str] = []
-
             def base_url() -> str:
-                if not started:
+                if self.url is None:
                     begun = time.monotonic()
-                    started.append(stack.enter_context(running_server(server, sweep, log)))
+                    self.url = stack.enter_context(running_server(server, sweep, log))
                     self.startup_s = time.monotonic() - begun
-                    self.fresh = self.started = True
-                return started[0]
+                    self.fresh = True
+                return self.url
 
-            self.started = False
+            self.url = None
 
             try:
                 if not self.rates:

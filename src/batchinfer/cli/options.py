@@ -71,11 +71,12 @@ def add_ray_flags(parser: argparse.ArgumentParser, title: str, ray_help: str,
                   what: str) -> Any:
     """`--ray` (`ray_help`) and the flags every `--ray` command shares (`what`: what a replica
     is there); returns the group for the command's own. Check that none was given without
-    `--ray` with `refuse_without_ray`."""
+    `--ray` with `refuse_without_ray`, after `end_ray_flags`. Every Ray flag defaults to None:
+    the defaults the help names are the Ray integration's own."""
     group = parser.add_argument_group(f"{title} (pip install 'batchinfer[ray]'; "
                                       "docs/scale-out.md)")
     group.add_argument("--ray", action="store_true", help=ray_help)
-    group.add_argument("--num-replicas", type=int, default=1,
+    group.add_argument("--num-replicas", type=int, default=None,
                        help=f"{what}, each with its own engine (default: 1)")
     group.add_argument("--ray-address", default=None,
                        help="join this Ray cluster ('auto': the one `ray start` made here); "
@@ -86,10 +87,13 @@ def add_ray_flags(parser: argparse.ArgumentParser, title: str, ray_help: str,
     return group
 
 
-def refuse_without_ray(parser_args: argparse.Namespace, defaults: dict[str, Any]) -> None:
-    """`ValueError` for a Ray-only flag (`defaults`: name -> default, with the shared ones
-    added) given without `--ray`."""
-    shared = {"num_replicas": 1, "ray_address": None, "ray_cpus_per_replica": None}
-    for name, default in {**shared, **defaults}.items():
-        if getattr(parser_args, name) != default:
+def end_ray_flags(parser: argparse.ArgumentParser, group: Any) -> None:
+    """Note the flags of `group` (from `add_ray_flags`, with the command's own) as Ray-only."""
+    parser.set_defaults(ray_only=tuple(a.dest for a in group._group_actions if a.dest != "ray"))
+
+
+def refuse_without_ray(args: argparse.Namespace) -> None:
+    """`ValueError` for a Ray-only flag given without `--ray`."""
+    for name in args.ray_only:
+        if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} needs --ray")

@@ -13,6 +13,7 @@ from batchinfer.cli.options import (
     add_engine_flags,
     add_ray_flags,
     collect_flags,
+    end_ray_flags,
     refuse_without_ray,
 )
 from batchinfer.core.config import EngineConfig
@@ -43,6 +44,7 @@ def register(subparsers: Any) -> None:
     ray.add_argument("--lines-per-batch", type=int, default=None,
                      help="lines handed to an actor at once; a failed actor's batch is retried "
                      "whole (default: --max-in-flight)")
+    end_ray_flags(parser, ray)
     add_engine_flags(parser)
     parser.set_defaults(func=run)
 
@@ -60,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_batch_ray(
             Path(args.input_file), Path(args.output_file), config, args.embedding_model,
-            args.max_in_flight, args.progress, args.served_model_name, args.num_replicas,
+            args.max_in_flight, args.progress, args.served_model_name, args.num_replicas or 1,
             args.ray_cpus_per_replica, args.ray_address, args.lines_per_batch)
-        loaded = f"on {args.num_replicas} Ray actor(s), loads included"
+        loaded = f"on {args.num_replicas or 1} Ray actor(s), loads included"
     else:
-        refuse_without_ray(args, {"lines_per_batch": None})
+        refuse_without_ray(args)
         result = asyncio.run(run_batch_file(
             Path(args.input_file), Path(args.output_file), config, args.embedding_model,
             args.max_in_flight, args.progress, args.served_model_name))

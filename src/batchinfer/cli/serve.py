@@ -25,6 +25,7 @@ from batchinfer.cli.options import (
     add_engine_flags,
     add_ray_flags,
     collect_flags,
+    end_ray_flags,
     refuse_without_ray,
 )
 from batchinfer.core.config import EngineConfig, parse_bytes
@@ -36,10 +37,6 @@ PROXY_SIDE_FLAGS: dict[str, object] = {
     "limit_concurrency": 2048, "timeout_keep_alive": 5.0, "header_timeout": 10.0,
     "max_header_bytes": 64 << 10, "batch_dir": None, "batch_max_file_bytes": 200 << 20,
     "batch_max_in_flight": 256}
-# Flags that mean something only with --ray, and their defaults.
-RAY_ONLY_FLAGS: dict[str, object] = {
-    "autoscale": None, "target_ongoing_requests": None, "ray_routing": "default",
-    "ray_prefix_chars": 256, "ray_metrics_export_port": None}
 
 
 def _bytes(text: str) -> int:
@@ -127,15 +124,16 @@ def register(subparsers: Any) -> None:
                      help="autoscale between MIN and MAX replicas instead of --num-replicas")
     ray.add_argument("--target-ongoing-requests", type=float, default=None,
                      help="autoscaling target of requests per replica (default: --max-num-seqs)")
-    ray.add_argument("--ray-routing", default="default", choices=("default", "prefix"),
+    ray.add_argument("--ray-routing", default=None, choices=("default", "prefix"),
                      help="default: Ray Serve's power of two choices; prefix: prefer the "
                      "replica that served the same prompt start (prefix cache hits) unless it "
                      "is busier by more than --max-num-seqs (default: default)")
     ray.add_argument("--ray-metrics-export-port", type=int, default=None,
                      help="a local cluster's Prometheus export port, where every replica's "
                      "metrics are (default: one Ray picks; the log prints the URL)")
-    ray.add_argument("--ray-prefix-chars", type=int, default=256,
+    ray.add_argument("--ray-prefix-chars", type=int, default=None,
                      help="prompt characters that --ray-routing prefix hashes (default: 256)")
+    end_ray_flags(parser, ray)
     server.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     server.add_argument("--config", metavar="FILE",
@@ -182,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ray:
         return _serve_on_ray(args, engine_config, server_config)
-    refuse_without_ray(args, RAY_ONLY_FLAGS)
+    refuse_without_ray(args)
 
     from batchinfer.server.app import build_app
     from batchinfer.server.connections import guarded_protocol
@@ -221,14 +219,15 @@ def _serve_on_ray(args: argparse.Namespace, engine_config: EngineConfig | None,
     require_ray()
     from batchinfer.integrations.ray_serve import RayServeConfig, parse_autoscale, serve_on_ray
 
-    if args.autoscale and args.num_replicas != 1:
+    if args.autoscale and args.num_replicas is not None:
         raise ValueError("give --num-replicas or --autoscale, not both")
-    ray_config = RayServeConfig(
-        num_replicas=args.num_replicas,
-        autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
-        target_ongoing_requests=args.target_ongoing_requests,
-        cpus_per_replica=args.ray_cpus_per_replica,
-        routing=args.ray_routing, prefix_chars=args.ray_prefix_chars, log_level=args.log_level)
+    given = {"num_replicas": args.num_replicas,
+             "autoscale": parse_autoscale(args.autoscale) if args.autoscale else None,
+             "target_ongoing_requests": args.target_ongoing_requests,
+             "cpus_per_replica": args.ray_cpus_per_replica, "routing": args.ray_routing,
+             "prefix_chars": args.ray_prefix_chars}
+    ray_config = RayServeConfig(log_level=args.log_level,
+                                **{k: v for k, v in given.items() if v is not None})
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("batchinfer").setLevel(args.log_level.upper())
     for flag, default in PROXY_SIDE_FLAGS.items():

@@ -248,9 +248,6 @@ class BatchinferReplica:
         if state in ("failed", "engine_stopped"):
             raise RuntimeError(f"batchinfer replica {self.replica}: {state}")
 
-    def replica_id(self) -> str:
-        return self.replica
-
     async def forward(self, request: dict[str, Any], body: bytes,
                       prefix_key: str | None = None) -> AsyncIterator[Any]:
         """Run one HTTP request through this replica's app: yields ("start", status, headers,

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from http.cookies import Morsel, SimpleCookie
+from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -59,7 +59,6 @@ CUT_MARGIN_S = 0.5
 # (/v1/*, /tokenize, /detokenize, /version, /docs, /openapi.json) costs work or shows the API.
 OPEN_PATHS = ("/health", "/metrics")
 UPLOAD_PATH = "/v1/files"
-_NO_COOKIE: Morsel[str] = Morsel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,9 +484,10 @@ class RequestGuard:
         if not given and path in DASHBOARD_PATHS:
             # A browser cannot send the header: the key comes once as ?api_key= (the page then
             # sets it as a cookie and drops it from its address) and then as that cookie.
-            key = parse_qs(query.decode("latin-1")).get("api_key") or \
-                [SimpleCookie(headers.get("cookie", "")).get(DASHBOARD_COOKIE, _NO_COOKIE).value]
-            given = f"Bearer {key[0]}".encode() if key[0] else b""
+            cookie = SimpleCookie(headers.get("cookie", "")).get(DASHBOARD_COOKIE)
+            keys = parse_qs(query.decode("latin-1")).get("api_key") or \
+                ([cookie.value] if cookie is not None else [])
+            given = f"Bearer {keys[0]}".encode() if keys else b""
         batch_api = self.state.batch_api
         if batch_api is not None and hmac.compare_digest(given,
                                                          f"Bearer {batch_api.token}".encode()):

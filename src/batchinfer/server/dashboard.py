@@ -104,19 +104,18 @@ class DashboardRecorder:
         """The buckets of the window, a quiet second (no step: an idle engine) as zero work
         with the gauges of the second before."""
         rows: list[Second] = []
-        for bucket in self.seconds:
-            if bucket.second <= now_s - HISTORY_S:
-                continue
-            while rows and rows[-1].second + 1 < bucket.second:
+
+        def quiet_until(second: int) -> None:
+            while rows and rows[-1].second + 1 < second:
                 last = rows[-1]
                 rows.append(Second(last.second + 1, running=last.running, waiting=last.waiting,
-                                   kv_usage=last.kv_usage,
-                                   preemption_rate=last.preemption_rate))
-            rows.append(bucket)
-        while rows and rows[-1].second + 1 < int(now_s):
-            last = rows[-1]
-            rows.append(Second(last.second + 1, running=last.running, waiting=last.waiting,
-                               kv_usage=last.kv_usage, preemption_rate=last.preemption_rate))
+                                   kv_usage=last.kv_usage, preemption_rate=last.preemption_rate))
+
+        for bucket in self.seconds:
+            if bucket.second > now_s - HISTORY_S:
+                quiet_until(bucket.second)
+                rows.append(bucket)
+        quiet_until(int(now_s))
         return rows
 
     def snapshot(self, now_s: float, config: EngineConfig | None) -> dict[str, Any]:
