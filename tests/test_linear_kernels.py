@@ -26,6 +26,7 @@ from batchinfer.models.linear_kernels import (
     quantize_int8,
     quantize_q4,
 )
+from batchinfer.native.linear import NativeLinear, quantize_q8
 from tests.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import make_tiny_llama
 
@@ -110,7 +111,7 @@ def test_a_kernel_that_refuses_a_shape_falls_back_for_that_shape_only():
     names = candidates("q4", CPU, torch.float32)
     measured = choose_kernels(sites, names, torch.float32, CPU, None)
     assert measured.source == "measured"
-    assert set(measured.choice[(48, 64)]) == {"q4_dense"}
+    assert not set(measured.choice[(48, 64)]) & {"q4", "q4_bf16"}
 
 
 def test_kernel_linear_dispatches_on_the_row_bucket():
@@ -213,8 +214,9 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
                                                                    quantization, rounded):
     """`quantization int8 | q4`: the engine's float32-activation kernels compute what float32
     kernels compute on the dequantized weights, so greedy tokens equal Hugging Face's on a
-    copy of the model whose layers' weights were rounded the same way (the LM head keeps its
-    float weights). `auto` runs."""
+    copy of the model whose layers' weights were rounded the same way. The LM head is on
+    Q8_0's grid in both (as the embedded GGUF's is), so its 8-bit form holds it exactly
+    whichever form is chosen. `auto` runs."""
     monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
     model_dir = make_tiny_llama(tmp_path / "model")
     from safetensors.torch import load_file, save_file
@@ -225,8 +227,11 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
         if path.suffix != ".safetensors":
             (rounded_dir / path.name).write_bytes(path.read_bytes())
     tensors = load_file(model_dir / "model.safetensors")
+    q, scale = quantize_q8(tensors["lm_head.weight"])
+    tensors["lm_head.weight"] = (q.float() * scale[..., None]).flatten(1)
+    save_file(tensors, model_dir / "model.safetensors")
     for name, tensor in tensors.items():
-        if name.endswith("proj.weight"):  # the decoder layers'; the LM head stays float
+        if name.endswith("proj.weight"):  # the decoder layers'
             tensors[name] = rounded(tensor).to(tensor.dtype)
     save_file(tensors, rounded_dir / "model.safetensors")
     want = None
@@ -235,13 +240,14 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
                   quantization=quantization, linear_kernels=kernels)
         layer = llm.engine.worker.loaded.model.layers[0].mlp.gate_up_proj
         assert set(layer.kernels) <= {quantization, f"{quantization}_bf16",
-                                      f"{quantization}_dense"}
-        assert set(llm.engine.worker.loaded.model.lm_head.kernels) <= {"dense", "packed"}
+                                      f"{quantization}_dense", f"{quantization}_native"}
+        assert set(llm.engine.worker.loaded.model.lm_head.kernels) <= {"dense", "packed",
+                                                                       "q8_native"}
         if want is None:
             prompts = random_prompts(6, llm.engine.worker.vocab_size, seed=8, high=60)
             want = hf_greedy(rounded_dir, prompts, GREEDY.max_tokens)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        if kernels == "auto":  # may round activations to bfloat16: not bit-exact
+        if kernels == "auto":  # may round activations (bfloat16, 16-bit groups): not exact
             assert [len(g) for g in got] == [len(w) for w in want]
         else:
             assert got == want, kernels
@@ -281,9 +287,10 @@ def test_a_bucket_where_only_refusing_kernels_were_timed_chooses_a_fallback(monk
         return timings
 
     monkeypatch.setattr(lk, "measure", q4_dense_pruned_everywhere)
-    sites = [WeightForms(*weights(48, 64)), WeightForms(*weights(64, 64))]
+    # 40 outputs: neither torch's int4 packing (32) nor the native layout (16) takes them
+    sites = [WeightForms(*weights(40, 64)), WeightForms(*weights(64, 64))]
     plan = choose_kernels(sites, candidates("q4", CPU, torch.float32), torch.float32, CPU, None)
-    assert plan.choice[(48, 64)] == ("q4_dense",) * 4
+    assert plan.choice[(40, 64)] == ("q4_dense",) * 4
 
 
 def _tensors_held(fn, seen=None) -> list[torch.Tensor]:
@@ -295,6 +302,8 @@ def _tensors_held(fn, seen=None) -> list[torch.Tensor]:
     seen.add(id(fn))
     if isinstance(fn, torch.Tensor):
         return [fn]
+    if isinstance(fn, NativeLinear):
+        return [*fn.tensors, *([fn.bias] if fn.bias is not None else [])]
     if isinstance(fn, nn.Module):
         return [*fn.parameters(), *fn.buffers()]
     if hasattr(fn, "__self__"):

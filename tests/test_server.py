@@ -485,6 +485,8 @@ def test_api_key(small_server):
     assert r.status_code == 200 and len(r.json()["data"]) == 2
     models = httpx.get(f"{small_server}/v1/models", headers=auth).json()["data"]
     assert len(models) == 2
+    (generator,) = [m for m in models if "native_decode" in m]  # the encoder has none
+    assert set(generator["native_decode"]) <= {"1", "2-8", "9-32", "33+"}
 
 
 def test_embeddings_only():

@@ -21,7 +21,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "q4")
-LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "q4", "q4_dense")
+LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "q4", "q4_dense",
+                  "q4_native")
 GiB = 1 << 30
 BYTE_SIZES = ("kv_cache_memory", "swap_space")  # fields that accept "2G", "512M"
 
@@ -103,7 +104,10 @@ class EngineConfig:
     linear_kernels: str = field(default="auto", metadata=_help(
         "auto (per weight shape and row count, the fastest kernel measured at start-up on "
         "this machine, cached), or one kernel for all: dense, packed (CPU float32), int8, "
-        "int8_dense (quantization int8), q4, q4_dense (quantization q4)"))
+        "int8_dense (quantization int8), q4, q4_dense, q4_native (quantization q4)"))
+    native_decode: bool = field(default=True, metadata=_help(
+        "CPU float32: run decode steps (every sequence one token) as one native call per step "
+        "where every linear's chosen kernel has a native form (off: always the torch model)"))
     special_tokens_in_chat: bool = field(default=False, metadata=_help(
         "parse special-token text inside chat message content as special tokens (lets a user "
         "forge another role's turn; off: content is plain text)"))
@@ -176,7 +180,7 @@ class EngineConfig:
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads)
         for name in ("special_tokens_in_chat", "calculate_kv_scales", "enable_prefix_caching",
-                     "prepack_weights", "elastic_max_tokens"):
+                     "prepack_weights", "elastic_max_tokens", "native_decode"):
             check_bool(name, getattr(self, name))
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "

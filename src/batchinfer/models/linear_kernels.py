@@ -22,7 +22,10 @@ Candidates, by weight form (`quantization`):
   call, then `F.linear`: for large row counts the dequantization is a small share);
 - `q4`: 4-bit weights in groups of 32 with a scale and a zero (GGUF Q4_1's grid, an eighth of
   float32's bytes), run by `q4` (torch's `_weight_int4pack_mm_for_cpu`), `q4_bf16` or
-  `q4_dense`, likewise.
+  `q4_dense`, likewise, or `q4_native` (`native/cpu_kernels.c`: the 4-bit integers unpacked
+  in registers and multiplied with the float32 activations, no rounding of the activations);
+- the LM head of a quantized model: its float kernels, or `q8_native` (int8 in groups of 32,
+  GGUF Q8_0's grid, a quarter of float32's bytes).
 
 `KernelLinear` holds only the weight forms its chosen kernels read, and dispatches on the
 number of rows. Every kernel computes the same product as `F.linear` on the same (quantized)
@@ -48,20 +51,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchinfer import native
 from batchinfer.models.hardware import cpu_model
 from batchinfer.models.prepack import PackedLinear, prepack_supported
+from batchinfer.native.linear import NativeLinear, check_shape, pack_q4, pack_q8
 
 logger = logging.getLogger(__name__)
 
 KERNELS_BY_QUANTIZATION: dict[str, tuple[str, ...]] = {
     "none": ("dense", "packed"),
     "int8": ("int8", "int8_bf16", "int8_dense"),
-    "q4": ("q4", "q4_bf16", "q4_dense"),
+    "q4": ("q4", "q4_bf16", "q4_dense", "q4_native"),
 }
+# The LM head of a quantized model: its float kernels, or 8-bit groups of 32 (`q8_native`).
+HEAD_KERNELS = ("q8_native",)
+# Kernels of `native/cpu_kernels.c` (CPU, float32 activations, built for this machine).
+NATIVE_KERNELS = ("q4_native", "q8_native")
 # A kernel that cannot take one weight (a shape its packing refuses) leaves it to this one.
 # `dense` (the float weights, unquantized) takes every weight: a shape q4 cannot group in 32s.
 FALLBACK = {"packed": "dense", "int8": "int8_dense", "int8_bf16": "int8_dense",
-            "int8_dense": "dense", "q4": "q4_dense", "q4_bf16": "q4_dense", "q4_dense": "dense"}
+            "int8_dense": "dense", "q4": "q4_dense", "q4_bf16": "q4_dense", "q4_dense": "dense",
+            "q4_native": "q4_dense", "q8_native": "dense"}
 # torch's bfloat16 int8 kernel reads past the end of rows of other lengths (wrong values, or
 # a crash): it is offered only where the input size is a multiple of this.
 INT8_BF16_K_MULTIPLE = 32
@@ -156,11 +166,14 @@ class WeightForms:
         self._packed: PackedLinear | None = None
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # packed, q, pairs
+        self._native: dict[str, NativeLinear] = {}
 
     def kernel(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The callable computing `x @ W.T + b` with kernel `name`; `ValueError` when that
         kernel does not take this weight (a shape its packing refuses)."""
         bias = self.bias
+        if name in NATIVE_KERNELS:
+            return self._native_linear(name)
         if name == "dense":
             weight = self.weight
             return lambda x: F.linear(x, weight, bias)
@@ -206,12 +219,34 @@ class WeightForms:
                 rows, packed, Q4_GROUP_SIZE, cast_pairs), bias, bf16)
         raise ValueError(f"unknown linear kernel {name!r}")
 
+    def _native_linear(self, name: str) -> NativeLinear:
+        if name not in self._native:
+            weight = self.weight
+            if weight.device.type != "cpu" or weight.dtype != torch.float32:
+                raise ValueError(f"the {name} kernel runs float32 weights on the CPU only")
+            lib = native.library()
+            if lib is None:
+                raise ValueError(f"the {name} kernel is not built on this machine")
+            n, k = weight.shape
+            check_shape(n, k, name)
+            if name == "q4_native":
+                q, pairs = quantize_q4(weight)
+                scale, offset = q4_affine(pairs)
+                tensors: tuple[torch.Tensor, ...] = pack_q4(q, scale, offset)
+                kind = native.Q4
+            else:
+                tensors, kind = pack_q8(weight), native.Q8
+            self._native[name] = NativeLinear(lib, kind, n, k, tensors, self.bias)
+        return self._native[name]
+
     def nbytes(self, name: str) -> int:
         """Bytes kernel `name` reads per call (its weight form, scales and bias), once
         `kernel(name)` has made that form."""
         def size(*tensors: torch.Tensor | None) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+        if name in self._native:
+            return self._native[name].nbytes
         if name.startswith("int8") and self._int8 is not None:
             total = size(*self._int8)
         elif name.startswith("q4") and self._q4 is not None:
@@ -224,6 +259,7 @@ class WeightForms:
     def release(self) -> None:
         """Drop the converted forms (the dense weight stays)."""
         self._packed = self._int8 = self._q4 = None
+        self._native = {}
 
 
 def _by_dtype(t: torch.Tensor, bf16: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -250,7 +286,8 @@ class KernelLinear(nn.Module):
     """`y = x @ W.T + b`, by the kernel chosen for the row bucket of `x` (`[..., in]`: rows
     are all but the last dimension)."""
 
-    def __init__(self, forms: WeightForms, kernels: Sequence[str]) -> None:
+    def __init__(self, forms: WeightForms, kernels: Sequence[str],
+                 decode_kernel: str | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = forms.weight.shape
         # A kernel that cannot take this weight (a cached or forced choice) runs its fallback.
@@ -261,6 +298,16 @@ class KernelLinear(nn.Module):
         self._fns = [forms.kernel(name) for name in self.kernels]
         # Bytes each bucket's kernel reads per call (a step's memory traffic for the weights).
         self.read_bytes = tuple(forms.nbytes(name) for name in self.kernels)
+        # Per bucket, the weight as the native decode step reads it (`runner/native_decode.py`):
+        # a native kernel's own form, or the dense float32 weight itself; None for the others.
+        # `decode_kernel` (a native kernel) makes its form too, for the buckets whose chosen
+        # kernel has none: whether a whole native step beats the torch one there is measured
+        # per step (a kernel timed alone pays a call's fixed cost that a native step does not).
+        extra = None
+        if decode_kernel is not None and runnable(forms, decode_kernel) == decode_kernel:
+            extra = _native_form(forms, forms.kernel(decode_kernel), decode_kernel)
+        self.native = tuple(_native_form(forms, fn, name) or extra
+                            for fn, name in zip(self._fns, self.kernels, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
@@ -268,6 +315,20 @@ class KernelLinear(nn.Module):
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{b}: {k}" for b, k in zip(BUCKET_NAMES, self.kernels, strict=True))
         return f"in_features={self.in_features}, out_features={self.out_features}, {chosen}"
+
+
+def _native_form(forms: WeightForms, fn: Callable[[torch.Tensor], torch.Tensor], name: str
+                 ) -> NativeLinear | None:
+    if isinstance(fn, NativeLinear):
+        return fn
+    weight = forms.weight
+    if (name == "dense" and weight.shape[0] % native.TILE_F32 == 0 and weight.is_contiguous()
+            and native_available(weight.device, weight.dtype)):
+        lib = native.library()
+        assert lib is not None
+        return NativeLinear(lib, native.F32, weight.shape[0], weight.shape[1], (weight,),
+                            forms.bias)
+    return None
 
 
 @dataclass(frozen=True)
@@ -300,7 +361,14 @@ def candidates(quantization: str, device: torch.device, dtype: torch.dtype,
         names = tuple(n for n in names if n not in ("int8", "int8_bf16", "q4", "q4_bf16"))
     if dtype != torch.float32:  # the activations are not float32: no rounding variant
         names = tuple(n for n in names if not n.endswith("_bf16"))
+    if any(n in NATIVE_KERNELS for n in names) and not native_available(device, dtype):
+        names = tuple(n for n in names if n not in NATIVE_KERNELS)
     return names
+
+
+def native_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the native kernels run here: CPU, float32, and the library built."""
+    return device.type == "cpu" and dtype == torch.float32 and native.library() is not None
 
 
 Timings = dict[str, list[dict[tuple[int, int], float]]]  # kernel -> per bucket -> shape -> s
@@ -486,12 +554,15 @@ def kernel_names(quantization: str, kernels: str, device: torch.device, dtype: t
 def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: torch.device,
                   dtype: torch.dtype, cache_dir: Path | None, allow_packed: bool = True,
                   extra: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-                  unquantized: Collection[str] = (),
-                  ) -> KernelPlan:
+                  heads: Collection[str] = (),
+                  native_decode: bool = False) -> KernelPlan:
     """Replace every `nn.Linear` under `module` (and the `extra` attribute name -> (weight,
     bias) pairs, such as a tied LM head) by a `KernelLinear` whose kernels are `kernels` (a
-    name) or, with `auto`, the fastest measured here. The sites named in `unquantized` keep
-    the float weights (their kernels measured among the float ones, whatever `kernels` says).
+    name) or, with `auto`, the fastest measured here. With quantized weights the sites named
+    in `heads` (the LM head) are not 4-bit: their kernels are measured among the float ones and
+    `HEAD_KERNELS` (8-bit groups), whatever `kernels` says. `native_decode`: every site of
+    q4 weights also gets its `q4_native` form and a quantized model's heads their `q8_native`
+    one, for native decode steps (`KernelLinear.native`).
     `ValueError` names the knob when the kernel cannot run this weight form or device."""
     names = kernel_names(quantization, kernels, device, dtype, allow_packed)
     extra = extra or {}
@@ -508,12 +579,16 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
     # (candidate kernels, sites): the kernel names carry the weight form
     groups = [(names, site_names)]
     if quantization != "none":
-        groups = [(names, [n for n in site_names if n not in unquantized]),
-                  (kernel_names("none", "auto", device, dtype, allow_packed),
-                   [n for n in site_names if n in unquantized])]
+        head_names = kernel_names("none", "auto", device, dtype, allow_packed)
+        head_names += tuple(n for n in HEAD_KERNELS if native_available(device, dtype))
+        groups = [(names, [n for n in site_names if n not in heads]),
+                  (head_names, [n for n in site_names if n in heads])]
     choice: dict[tuple[int, int], tuple[str, ...]] = {}
     sources = []
-    for group_names, group in groups:
+    decode_kernel: dict[int, str | None] = {0: None, 1: None}
+    if native_decode and native_available(device, dtype) and quantization != "none":
+        decode_kernel = {0: "q4_native" if quantization == "q4" else None, 1: "q8_native"}
+    for index, (group_names, group) in enumerate(groups):
         if not group:
             continue
         sites = [WeightForms(*weight_of(name)) for name in group]
@@ -527,7 +602,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
             parent_name, _, attr = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             shape = (weight.shape[0], weight.shape[1])
-            layer = KernelLinear(WeightForms(weight, bias), plan.choice[shape])
+            layer = KernelLinear(WeightForms(weight, bias), plan.choice[shape],
+                                 decode_kernel[index])
             setattr(parent, attr, layer)
             choice[shape] = layer.kernels  # what runs (a refused choice: its fallback)
             del weight, bias

@@ -321,20 +321,25 @@ class LlamaForCausalLM(nn.Module):
 
     def choose_linear_kernels(
         self, quantization: str, kernels: str, device: torch.device, dtype: torch.dtype,
-        cache_dir: Path | None, allow_packed: bool = True,
+        cache_dir: Path | None, allow_packed: bool = True, native_decode: bool = False,
     ) -> KernelPlan:
         """Give every linear (and the LM head) its weight form and kernels (see
-        `linear_kernels.py`). `quantization` applies to the decoder layers; the LM head keeps
-        the float weights, as GPTQ and AWQ checkpoints do: its rounding moves every logit at
-        once, and on the embedded model a 4-bit head alone turns 95 % greedy agreement with
-        float32 into 38 % (docs/architecture.md). A tied LM head reads the embedding table
-        itself where its kernel is dense, else a packed copy (the table stays for the lookup).
+        `linear_kernels.py`). `quantization` applies to the decoder layers; the LM head is never
+        4-bit, as in GPTQ and AWQ checkpoints: its rounding moves every logit at once, and on
+        the embedded model a 4-bit head alone turns 95 % greedy agreement with float32 into
+        38 % (docs/architecture.md). It keeps float weights, or with quantized layers 8-bit
+        groups of 32 where those measure faster (`q8_native`; the embedded model's table is
+        Q8_0, which they hold exactly). A tied LM head reads the embedding table itself where
+        its kernel is dense, else its own copy (the table stays for the lookup).
+        `native_decode` keeps native forms for whole native decode steps as well
+        (`apply_kernels`).
         """
         extra: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None
         if self.lm_head is None:
             extra = {"lm_head": (self.embed_tokens.weight, None)}
         return apply_kernels(self, quantization, kernels, device, dtype, cache_dir,
-                             allow_packed, extra, unquantized=("lm_head",))
+                             allow_packed, extra, heads=("lm_head",),
+                             native_decode=native_decode)
 
 
 def checkpoint_names(param_name: str) -> tuple[str, ...]:

@@ -10,16 +10,21 @@ nothing from it; `finished_request_ids` is accepted and ignored.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchinfer.runner.attention import select_attention_backend
-from batchinfer.runner.input_batch import prepare_inputs
+from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 from batchinfer.runner.kv_cache import KVCacheSpec
+from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
 from batchinfer.runner.sampler import Sampler
+
+logger = logging.getLogger(__name__)
 
 # (layer_idx, q [tokens, heads, d], k [tokens, kv_heads, d], v) -> [tokens, heads, d]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,7 +47,9 @@ class ModelRunner:
     masked while a sequence is short of `min_tokens`; `seed` seeds unseeded random sampling;
     `attention_backend` names the attention backend (`auto`, `sdpa`, `gather`, `cpu_sparse`;
     see `attention.py`); `calculate_kv_scales` calibrates an FP8 cache's scales on the first
-    step; `num_swap_blocks` sizes the host swap space (`swap_blocks`).
+    step; `num_swap_blocks` sizes the host swap space (`swap_blocks`); `native_decode` runs
+    decode steps in one native call where it can and measures faster (`native_decode.py`;
+    the choice cached under `cache_dir`).
     """
 
     def __init__(
@@ -59,6 +66,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         calculate_kv_scales: bool = False,
         num_swap_blocks: int = 0,
+        native_decode: bool = False,
+        cache_dir: Path | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -71,6 +80,21 @@ class ModelRunner:
         if num_swap_blocks:
             self.attention.allocate_swap_space(num_swap_blocks)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
+        # Whole decode steps in one native call where the model and cache allow it, at the
+        # row buckets where that measured faster than the torch model.
+        self.native_decode: NativeDecoder | None = None
+        if native_decode:
+            decoder, why = NativeDecoder.build(model, self.attention)
+            if decoder is not None:
+                decoder.keep_buckets(choose_buckets(decoder, self._torch_logits, num_blocks,
+                                                    cache_dir))
+                if any(decoder.buckets):
+                    self.native_decode = decoder
+                why = "slower than the torch model at every row bucket"
+            if self.native_decode is None:
+                logger.info("native decode steps not used: %s", why)
+            else:
+                logger.info("native decode steps: %s", self.native_decode.describe())
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -115,9 +139,15 @@ class ModelRunner:
         sequence in `scheduler_output.sequences`. Call under `torch.inference_mode()`.
         """
         inputs = prepare_inputs(scheduler_output.sequences, self.block_size, self.device)
+        if self.native_decode is not None and self.native_decode.accepts(inputs):
+            logits = self.native_decode.logits(inputs)
+            return logits[inputs.logits_indices], inputs.sampled_seq_indices
+        return self._torch_logits(inputs), inputs.sampled_seq_indices
+
+    def _torch_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """The sampling rows' logits of a step, by the torch model."""
         self.attention.build(inputs.attention)
         hidden = self.model(inputs.input_ids, inputs.positions, self.attention)
         if not inputs.sampled_seq_indices:
-            return hidden.new_empty((0, 0), dtype=torch.float32), []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        return logits, inputs.sampled_seq_indices
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()

@@ -68,7 +68,7 @@ class Worker:
         loaded = load_model(config.model, dtype, device)
         kernels = loaded.model.choose_linear_kernels(
             config.quantization, config.linear_kernels, device, dtype, default_cache_dir(),
-            config.prepack_weights)
+            config.prepack_weights, config.native_decode)
         logger.info("linear kernels (%s; weights %s): %s", kernels.source, config.quantization,
                     kernels.describe())
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
@@ -155,6 +155,8 @@ def _make_runner(
         attention_backend=config.attention_backend,
         calculate_kv_scales=config.calculate_kv_scales,
         num_swap_blocks=num_swap_blocks,
+        native_decode=config.native_decode,
+        cache_dir=default_cache_dir(),
     )
 
 

@@ -365,11 +365,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             serving = state.serving
             entry = {"id": serving.model_name, "object": "model", "created": 0,
                      "owned_by": "batchinfer", "max_model_len": serving.llm.max_model_len}
-            # Extension: the weight form and the linear kernels chosen at start-up.
-            plan = getattr(serving.llm.engine.worker, "linear_kernels", None)
+            # Extension: the weight form, the linear kernels chosen at start-up and the row
+            # buckets whose decode steps run as one native call.
+            worker = serving.llm.engine.worker
+            plan = getattr(worker, "linear_kernels", None)
             if plan is not None:
                 entry["quantization"] = serving.llm.engine.config.quantization
                 entry["linear_kernels"] = plan.as_json()
+                decoder = getattr(getattr(worker, "runner", None), "native_decode", None)
+                entry["native_decode"] = [] if decoder is None else decoder.bucket_names()
             data.append(entry)
         embedder = state.embeddings.target
         if embedder is not None:

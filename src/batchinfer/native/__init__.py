@@ -1,0 +1,124 @@
+"""The CPU kernels of `cpu_kernels.c`, compiled for this machine at first use and loaded with
+ctypes.
+
+Why compiled here rather than shipped: the fastest code differs by CPU (AVX-512 on one
+machine, AVX2 on another), so the library is built with `-march=native` by the system C
+compiler (`$CC`, else `cc`) into the cache folder, keyed by the source, the compiler and the
+CPU model: a restart, or another process, loads the built library without compiling (about a
+second when it does). No compiler, or a failed build: `library()` returns None, says why once
+in the log, and every caller keeps torch's kernels. `BATCHINFER_NATIVE=0` turns it off.
+
+The library uses OpenMP; it links `libgomp.so.1`, the runtime torch's CPU build already
+loaded, so both share one thread pool instead of two competing for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from batchinfer.models.hardware import cpu_model
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+# Weight layouts of `bi_linear.kind` (see cpu_kernels.c).
+F32, Q4, Q8 = 0, 1, 2
+TILE = 16  # outputs interleaved per tile in the q4 / q8 layouts
+TILE_F32 = 4  # the float32 kernel's outputs per tile (it reads the weight as it is)
+GROUP = 32  # weights per scale
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("reserved", ctypes.c_int32), ("weight", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32),
+                ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+                ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32),
+                ("vocab", ctypes.c_int32), ("block_size", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("reserved", ctypes.c_float),
+                ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(Layer)), ("lm_head", Linear),
+                ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64)]
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def compiler() -> str | None:
+    """The C compiler to build with (`$CC`, else `cc`), or None when there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The built library (building it on first use), or None where it cannot be had."""
+    if os.environ.get("BATCHINFER_NATIVE", "1") == "0":
+        return None
+    from batchinfer.models.loader import default_cache_dir
+
+    folder = (cache_dir or default_cache_dir()) / "native"
+    key = str(folder)
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _build_and_load(folder)
+        return _loaded[key]
+
+
+def _build_and_load(folder: Path) -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        logger.warning("no C compiler (cc, or $CC): the native CPU kernels are not used")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        digest = hashlib.sha256("\0".join(
+            [SOURCE.read_text(), version, cpu_model(), *FLAGS]).encode()).hexdigest()[:20]
+        target = folder / f"cpu_kernels-{digest}.so"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")  # one per builder: no torn files
+            result = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                logger.warning("building the native CPU kernels failed (%s): %s", cc,
+                               result.stderr.strip()[-2000:])
+                return None
+            tmp.replace(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("the native CPU kernels are not used: %s", exc)
+        return None
+    lib.bi_avx512.restype = ctypes.c_int
+    lib.bi_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int]
+    lib.bi_linear_forward.restype = ctypes.c_int
+    lib.bi_work_floats.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int]
+    lib.bi_work_floats.restype = ctypes.c_int64
+    lib.bi_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, *[ctypes.c_void_p] * 8,
+                              ctypes.c_int]
+    lib.bi_decode.restype = None
+    logger.info("native CPU kernels loaded from %s (%s)", target,
+                "AVX-512" if lib.bi_avx512() else "portable C")
+    return lib

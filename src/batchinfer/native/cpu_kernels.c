@@ -1,0 +1,758 @@
+/* CPU kernels for few-row steps: weight-only quantized linears that read 4-bit or 8-bit
+ * weights straight from their packed form, and a whole decode step of a Llama-family model in
+ * one call.
+ *
+ * Built on the machine that runs it (`-march=native`, see native/__init__.py), loaded with
+ * ctypes. AVX-512 paths where the compiler targets AVX-512 (with VNNI's dot-product
+ * instructions where present), portable C loops elsewhere (the compiler vectorizes them for
+ * the machine: AVX2, NEON). Threads: OpenMP, the same runtime torch uses, the count passed
+ * by the caller.
+ *
+ * Weight layouts (`bi_linear.kind`), for `n` outputs and `k` inputs:
+ *   BI_F32: float32 `[n][k]`, row-major (a dense `nn.Linear` weight as it is), n % 4 == 0;
+ *   BI_Q4:  4-bit integers q in 0..15 in groups of 32 along k, weight = q * scale + offset
+ *           (GGUF Q4_1's grid); bytes `[n/16][k/32][8][32]`: for each tile of 16 outputs and
+ *           each group, chunk i holds byte 2j+e = q[j][2i+e] | q[j][2i+16+e] << 4 (output j
+ *           of the tile, e in 0..1); scale, offset float32 `[n/16][k/32][16]`;
+ *   BI_Q8:  int8 q in -127..127 in groups of 32, weight = q * scale (GGUF Q8_0's grid);
+ *           bytes `[n/16][k/32][16][32]`, chunk p holding byte 2j+e = q[j][2p+e]; scale
+ *           `[n/16][k/32][16]`.
+ *
+ * How the quantized ones multiply: the input row is rounded to 16-bit integers in groups of
+ * 32, each group by its own scale (its largest |x| / 32767: an error of at most 1.5e-5 of that
+ * value, about 250 times finer than bfloat16's rounding), so that one 512-bit integer
+ * multiply-add (`vpdpwssd`) takes a pair of inputs against the same pair of weights of 16
+ * outputs at once, one output per 32-bit lane. Unpacking a weight to 16 bits costs one or two
+ * instructions per 32 weights, where converting each weight to float32 costs four: the
+ * float32 form of these kernels ran 2-3 times slower on a 2-core Xeon (AVX-512 VNNI).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BI_AVX512 1
+#else
+#define BI_AVX512 0
+#endif
+
+#define TILE_F32 4  /* outputs per tile of the float32 kernel */
+#define TILE_Q 16   /* outputs per tile of the quantized layouts: one per 32-bit lane */
+#define GROUP 32
+#define ROW_TILE 4
+
+enum { BI_F32 = 0, BI_Q4 = 1, BI_Q8 = 2 };
+
+typedef struct {
+    int32_t kind, n, k, reserved;
+    const void *weight;
+    const float *scale;
+    const float *offset;
+    const float *bias;
+} bi_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    bi_linear qkv, o, gate_up, down;
+} bi_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads;
+    int32_t head_dim, intermediate, vocab, block_size;
+    float eps, reserved;
+    const float *embed;       /* [vocab][hidden]: the token embedding table */
+    const float *final_norm;  /* [hidden] */
+    const float *rope_cos;    /* [max_positions][head_dim / 2] */
+    const float *rope_sin;
+    const bi_layer *layers;
+    bi_linear lm_head;
+    float *kv_cache;  /* [layers][num_blocks][2][kv_heads][block_size][head_dim] */
+    int64_t num_blocks;
+} bi_model;
+
+int bi_avx512(void) { return BI_AVX512; }
+
+/* ---- linears -------------------------------------------------------------------------- */
+
+static inline int num_groups(const bi_linear *l) { return l->k / GROUP; }
+static inline int tile_of(const bi_linear *l) { return l->kind == BI_F32 ? TILE_F32 : TILE_Q; }
+
+/* A linear's input rows as its kernel reads them: float32 rows (BI_F32), or per group of 32
+ * the 16-bit integers `q`, their `scale` and the float sum of the group (`sum`, for q4's
+ * offsets). */
+typedef struct {
+    const float *x;
+    int64_t ldx;
+    int16_t *q;   /* [rows][k] */
+    float *scale; /* [rows][k / 32] */
+    float *sum;   /* [rows][k / 32] */
+} bi_input;
+
+/* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
+static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
+    for (int g = 0; g < groups; g++) {
+        const float *v = x + g * GROUP;
+        float top = 0.f, total = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            const float a = fabsf(v[i]);
+            top = a > top ? a : top;
+            total += v[i];
+        }
+        const float s = top / 32767.f, inv = top > 0.f ? 32767.f / top : 0.f;
+        for (int i = 0; i < GROUP; i++) q[g * GROUP + i] = (int16_t)lrintf(v[i] * inv);
+        scale[g] = s;
+        sum[g] = total;
+    }
+}
+
+static void prepare_rows(const bi_linear *l, bi_input *in, int rows) {
+    if (l->kind == BI_F32) return;
+    const int groups = num_groups(l);
+    for (int r = 0; r < rows; r++)
+        quantize_groups(in->x + r * in->ldx, groups, in->q + (int64_t)r * l->k,
+                        in->scale + (int64_t)r * groups, in->sum + (int64_t)r * groups);
+}
+
+static inline void finish(float *y, int j, float v, const float *bias, int accumulate) {
+    if (bias) v += bias[j];
+    if (accumulate) y[j] += v; else y[j] = v;
+}
+
+#if BI_AVX512
+static inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+/* 16 outputs (one per lane) of `rows` (1..4) input rows, accumulated over every group. */
+static inline __attribute__((always_inline)) void
+quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y, int64_t ldy,
+           int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    const int q4 = l->kind == BI_Q4;
+    const int64_t chunk_bytes = q4 ? 8 * 32 : 16 * 32;
+    const uint8_t *w = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes;
+    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q;
+    const float *off = q4 ? l->offset + (int64_t)tile * groups * TILE_Q : NULL;
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    __m512 acc[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * chunk_bytes;
+        __m512i d[ROW_TILE];
+        for (int r = 0; r < ROW_TILE; r++) d[r] = _mm512_setzero_si512();
+        if (q4) {
+            for (int i = 0; i < 8; i++) {  /* pairs i and i + 8 of the group */
+                const __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(wg + 32 * i)));
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_srli_epi16(v, 4);
+                for (int r = 0; r < rows; r++) {
+                    const int32_t *xp = (const int32_t *)(in->q + (int64_t)r * k + g * GROUP);
+                    d[r] = dot_pairs(d[r], lo, _mm512_set1_epi32(xp[i]));
+                    d[r] = dot_pairs(d[r], hi, _mm512_set1_epi32(xp[i + 8]));
+                }
+            }
+        } else {
+            for (int p = 0; p < 16; p++) {
+                const __m512i v = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(wg + 32 * p)));
+                for (int r = 0; r < rows; r++) {
+                    const int32_t *xp = (const int32_t *)(in->q + (int64_t)r * k + g * GROUP);
+                    d[r] = dot_pairs(d[r], v, _mm512_set1_epi32(xp[p]));
+                }
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sc + g * TILE_Q);
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = (int64_t)r * groups + g;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(in->scale[at])), acc[r]);
+            if (q4)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(off + g * TILE_Q),
+                                         _mm512_set1_ps(in->sum[at]), acc[r]);
+        }
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
+    for (int r = 0; r < rows; r++) {
+        float *yr = y + r * ldy + tile * TILE_Q;
+        if (!bias && !accumulate) {
+            _mm512_storeu_ps(yr, acc[r]);
+            continue;
+        }
+        float v[TILE_Q];
+        _mm512_storeu_ps(v, acc[r]);
+        for (int j = 0; j < TILE_Q; j++) finish(yr, j, v[j], bias, accumulate);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
+         float *y, int64_t ldy, int accumulate) {
+    const int k = l->k;
+    const float *w = (const float *)l->weight + (int64_t)tile * TILE_F32 * k;
+    __m512 acc[ROW_TILE][TILE_F32];
+    for (int r = 0; r < ROW_TILE; r++)
+        for (int j = 0; j < TILE_F32; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int i = 0; i < k; i += 16) {
+        const __mmask16 m = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512 xv[ROW_TILE];
+        for (int r = 0; r < rows; r++) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
+        for (int j = 0; j < TILE_F32; j++) {
+            const __m512 wv = _mm512_maskz_loadu_ps(m, w + (int64_t)j * k + i);
+            for (int r = 0; r < rows; r++) acc[r][j] = _mm512_fmadd_ps(wv, xv[r], acc[r][j]);
+        }
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < TILE_F32; j++)
+            finish(y + r * ldy + tile * TILE_F32, j, _mm512_reduce_add_ps(acc[r][j]), bias,
+                   accumulate);
+}
+
+/* One tile for `rows` (1..4) input rows; constant row counts let the compiler keep every
+ * accumulator in a register. */
+#define DISPATCH_ROWS(call_rows) \
+    switch (rows) { case 1: call_rows(1); break; case 2: call_rows(2); break; \
+                    case 3: call_rows(3); break; default: call_rows(4); break; }
+
+static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0, int rows,
+                        float *y, int64_t ldy, int accumulate) {
+    if (l->kind == BI_F32) {
+#define F32_ROWS(R) f32_tile(l, tile, in->x + r0 * in->ldx, in->ldx, R, y, ldy, accumulate)
+        DISPATCH_ROWS(F32_ROWS)
+    } else {
+        const int groups = num_groups(l);
+        const bi_input part = {NULL, 0, in->q + (int64_t)r0 * l->k,
+                               in->scale + (int64_t)r0 * groups, in->sum + (int64_t)r0 * groups};
+#define Q_ROWS(R) quant_tile(l, tile, &part, R, y, ldy, accumulate)
+        DISPATCH_ROWS(Q_ROWS)
+    }
+}
+#else  /* portable C: the same arithmetic, vectorized by the compiler for this machine */
+static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0, int rows,
+                        float *y, int64_t ldy, int accumulate) {
+    const int k = l->k, groups = num_groups(l), width = tile_of(l);
+    for (int j = 0; j < width; j++) {
+        const int col = tile * width + j;
+        for (int r = r0; r < r0 + rows; r++) {
+            float total = 0.f;
+            if (l->kind == BI_F32) {
+                const float *w = (const float *)l->weight + (int64_t)col * k;
+                const float *xr = in->x + r * in->ldx;
+#pragma omp simd reduction(+ : total)
+                for (int i = 0; i < k; i++) total += w[i] * xr[i];
+            } else {
+                const int16_t *xq = in->q + (int64_t)r * k;
+                for (int g = 0; g < groups; g++) {
+                    const int64_t at = (int64_t)tile * groups + g;
+                    int32_t dot = 0;
+                    if (l->kind == BI_Q4) {
+                        const uint8_t *w = (const uint8_t *)l->weight + at * 256;
+                        for (int i = 0; i < 8; i++)
+                            for (int e = 0; e < 2; e++) {
+                                const uint8_t b = w[32 * i + 2 * j + e];
+                                dot += (b & 15) * xq[g * GROUP + 2 * i + e]
+                                       + (b >> 4) * xq[g * GROUP + 2 * i + 16 + e];
+                            }
+                    } else {
+                        const int8_t *w = (const int8_t *)l->weight + at * 512;
+                        for (int p = 0; p < 16; p++)
+                            for (int e = 0; e < 2; e++)
+                                dot += w[32 * p + 2 * j + e] * xq[g * GROUP + 2 * p + e];
+                    }
+                    const float xs = in->scale[(int64_t)r * groups + g];
+                    total += (float)dot * (l->scale[at * TILE_Q + j] * xs);
+                    if (l->kind == BI_Q4)
+                        total += l->offset[at * TILE_Q + j] * in->sum[(int64_t)r * groups + g];
+                }
+            }
+            finish(y + (r - r0) * ldy + tile * width, j, total,
+                   l->bias ? l->bias + tile * width : NULL, accumulate);
+        }
+    }
+}
+#endif
+
+/* Tiles [first, last) for every row, in row tiles of ROW_TILE. */
+static void linear_tiles(const bi_linear *l, int first, int last, const bi_input *in,
+                         int rows, float *y, int64_t ldy, int accumulate) {
+    for (int t = first; t < last; t++)
+        for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int rr = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            linear_tile(l, t, in, r0, rr, y + r0 * ldy, ldy, accumulate);
+        }
+}
+
+/* This thread's share of a linear, inside a parallel region (no barrier). */
+static void linear_share(const bi_linear *l, const bi_input *in, int rows, float *y,
+                         int64_t ldy, int accumulate) {
+    const int tiles = l->n / tile_of(l), nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int first = (int)((int64_t)tiles * id / nt), last = (int)((int64_t)tiles * (id + 1) / nt);
+    linear_tiles(l, first, last, in, rows, y, ldy, accumulate);
+}
+
+/* Bytes of input scratch a linear with `k` inputs needs for `rows` rows. */
+static int64_t input_bytes(int64_t k, int rows) {
+    return rows * (k * (int64_t)sizeof(int16_t) + 2 * (k / GROUP) * (int64_t)sizeof(float));
+}
+
+static bi_input input_at(const float *x, int64_t ldx, int64_t k, int rows, void *scratch) {
+    bi_input in = {x, ldx, (int16_t *)scratch, NULL, NULL};
+    in.scale = (float *)(in.q + rows * k);
+    in.sum = in.scale + rows * (k / GROUP);
+    return in;
+}
+
+/* y[rows][n] = x[rows][k] W^T (+ bias), on `threads` threads. Returns 0, or -1 when the
+ * input's scratch cannot be had. */
+int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, int threads) {
+    void *scratch = malloc(input_bytes(l->k, rows) + 64);
+    if (!scratch) return -1;
+    bi_input in = input_at(x, l->k, l->k, rows, scratch);
+    prepare_rows(l, &in, rows);
+#pragma omp parallel num_threads(threads)
+    linear_share(l, &in, rows, y, l->n, 0);
+    free(scratch);
+    return 0;
+}
+
+/* ---- the decode step ------------------------------------------------------------------ */
+
+static void rms_norm(const float *x, const float *w, int hidden, float eps, float *out) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < hidden; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss / hidden + eps);
+#pragma omp simd
+    for (int i = 0; i < hidden; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* Rotate each (v[i], v[i + d/2]) pair by its position's angle (the "rotate_half" form). */
+static void rope(float *v, const float *cos_row, const float *sin_row, int half) {
+#pragma omp simd
+    for (int i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cos_row[i] - b * sin_row[i];
+        v[i + half] = b * cos_row[i] + a * sin_row[i];
+    }
+}
+
+#if BI_AVX512
+/* e^x, relative error ~1e-7 (x clamped to [-87, 88]): 2^(x log2 e) split into an integer
+ * part (scalef) and a fraction in [-0.5, 0.5] (degree-6 polynomial). */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, r), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, r);
+}
+#endif
+
+/* g[i] = silu(g[i]) * u[i] for i in [first, last). */
+static void silu_mul(float *g, const float *u, int first, int last) {
+    int i = first;
+#if BI_AVX512
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= last; i += 16) {
+        const __m512 v = _mm512_loadu_ps(g + i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)),
+                                              _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < last; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* p[i] = exp(s[i] - m) for i < n; returns their sum. */
+static float exp_shifted(float *s, int n, float m) {
+    float sum = 0.f;
+    int i = 0;
+#if BI_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+        _mm512_storeu_ps(s + i, p);
+        acc = _mm512_add_ps(acc, p);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum;
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+#if BI_AVX512
+    if (d % 16 == 0) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (int i = 16; i < d; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* scores[h][t] = q[h] . keys[t] * scale for the t < n keys of one block (rows of d). */
+static void block_scores_any(const float *q, const float *keys, int n, int per_kv, int d,
+                             float scale, float *scores, int bs) {
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < per_kv; h++)
+            scores[h * bs + t] = dot(q + h * d, keys + (int64_t)t * d, d) * scale;
+}
+
+/* out[h] += sum_t p[h][t] values[t] over the t < n values of one block. */
+static void block_values_any(const float *p, const float *values, int n, int per_kv, int d,
+                             float *out, int bs) {
+    for (int h = 0; h < per_kv; h++)
+        for (int t = 0; t < n; t++) {
+            const float w = p[h * bs + t];
+            const float *value = values + (int64_t)t * d;
+            float *oh = out + h * d;
+#pragma omp simd
+            for (int i = 0; i < d; i++) oh[i] += w * value[i];
+        }
+}
+
+#if BI_AVX512
+/* The same for a head size D known at compile time (a multiple of 16): four keys at a time
+ * (four independent chains of multiply-adds), and each output held in registers across the
+ * block's values instead of stored and reloaded per value. */
+static inline __attribute__((always_inline)) void
+block_scores_fixed(const float *q, const float *keys, int n, int per_kv, const int D,
+                   float scale, float *scores, int bs) {
+    for (int h = 0; h < per_kv; h++) {
+        __m512 qv[D / 16];
+        for (int c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + h * D + 16 * c);
+        int t = 0;
+        for (; t + 4 <= n; t += 4) {
+            __m512 a[4];
+            for (int i = 0; i < 4; i++)
+                a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys + (int64_t)(t + i) * D));
+            for (int c = 1; c < D / 16; c++)
+                for (int i = 0; i < 4; i++)
+                    a[i] = _mm512_fmadd_ps(
+                        qv[c], _mm512_loadu_ps(keys + (int64_t)(t + i) * D + 16 * c), a[i]);
+            for (int i = 0; i < 4; i++) scores[h * bs + t + i] = _mm512_reduce_add_ps(a[i]) * scale;
+        }
+        for (; t < n; t++) scores[h * bs + t] = dot(q + h * D, keys + (int64_t)t * D, D) * scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void
+block_values_fixed(const float *p, const float *values, int n, int per_kv, const int D,
+                   float *out, int bs) {
+    for (int h = 0; h < per_kv; h++)
+        for (int c0 = 0; c0 < D / 16; c0 += 4) {
+            const int chunks = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
+            __m512 a[4], b[4];
+            for (int i = 0; i < chunks; i++) {
+                a[i] = _mm512_loadu_ps(out + h * D + 16 * (c0 + i));
+                b[i] = _mm512_setzero_ps();
+            }
+            int t = 0;
+            for (; t + 2 <= n; t += 2) {  /* two chains: even and odd values */
+                const __m512 w0 = _mm512_set1_ps(p[h * bs + t]);
+                const __m512 w1 = _mm512_set1_ps(p[h * bs + t + 1]);
+                const float *v0 = values + (int64_t)t * D + 16 * c0, *v1 = v0 + D;
+                for (int i = 0; i < chunks; i++) {
+                    a[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+                    b[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
+                }
+            }
+            if (t < n) {
+                const __m512 w0 = _mm512_set1_ps(p[h * bs + t]);
+                const float *v0 = values + (int64_t)t * D + 16 * c0;
+                for (int i = 0; i < chunks; i++)
+                    a[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+            }
+            for (int i = 0; i < chunks; i++)
+                _mm512_storeu_ps(out + h * D + 16 * (c0 + i), _mm512_add_ps(a[i], b[i]));
+        }
+}
+#endif
+
+static void block_scores(const float *q, const float *keys, int n, int per_kv, int d,
+                         float scale, float *scores, int bs) {
+#if BI_AVX512
+    switch (d) {
+    case 64: block_scores_fixed(q, keys, n, per_kv, 64, scale, scores, bs); return;
+    case 128: block_scores_fixed(q, keys, n, per_kv, 128, scale, scores, bs); return;
+    default: break;
+    }
+#endif
+    block_scores_any(q, keys, n, per_kv, d, scale, scores, bs);
+}
+
+static void block_values(const float *p, const float *values, int n, int per_kv, int d,
+                         float *out, int bs) {
+#if BI_AVX512
+    switch (d) {
+    case 64: block_values_fixed(p, values, n, per_kv, 64, out, bs); return;
+    case 128: block_values_fixed(p, values, n, per_kv, 128, out, bs); return;
+    default: break;
+    }
+#endif
+    block_values_any(p, values, n, per_kv, d, out, bs);
+}
+
+/* One part of a sequence's attention, for the query heads that share KV head `kvh`: context
+ * blocks [first_block, last_block) of its table (this step's K/V already written), `context`
+ * tokens in all. Writes per head the unnormalized output `out[h][d]`, the largest score
+ * `mx[h]` and the sum of exp(score - mx) `total[h]` (an online softmax, block by block), for
+ * `merge_parts` to combine. `scores`: per_kv * block_size floats. */
+static void attend_part(const bi_model *m, const float *layer_cache, const float *q,
+                        int64_t context, const int64_t *table, int64_t first_block,
+                        int64_t last_block, int kvh, float *out, float *mx, float *total,
+                        float *scores) {
+    const int d = m->head_dim, bs = m->block_size, kv = m->num_kv_heads;
+    const int per_kv = m->num_heads / kv;
+    const float scale = 1.f / sqrtf((float)d);
+    for (int h = 0; h < per_kv; h++) {
+        mx[h] = -INFINITY;
+        total[h] = 0.f;
+        memset(out + h * d, 0, sizeof(float) * d);
+    }
+    for (int64_t b = first_block; b < last_block; b++) {
+        const int64_t t0 = b * bs;
+        const int n = context - t0 < bs ? (int)(context - t0) : bs;
+        const int64_t block = table[b];
+        const float *keys = layer_cache + ((block * 2 + 0) * kv + kvh) * (int64_t)bs * d;
+        const float *values = layer_cache + ((block * 2 + 1) * kv + kvh) * (int64_t)bs * d;
+        block_scores(q, keys, n, per_kv, d, scale, scores, bs);
+        for (int h = 0; h < per_kv; h++) {
+            float *sh = scores + h * bs, *oh = out + h * d;
+            float best = mx[h];
+            for (int t = 0; t < n; t++) best = sh[t] > best ? sh[t] : best;
+            if (best > mx[h]) {  /* a new maximum: rescale what was summed so far */
+                const float factor = mx[h] == -INFINITY ? 0.f : expf(mx[h] - best);
+                total[h] *= factor;
+#pragma omp simd
+                for (int i = 0; i < d; i++) oh[i] *= factor;
+                mx[h] = best;
+            }
+            total[h] += exp_shifted(sh, n, mx[h]);
+        }
+        block_values(scores, values, n, per_kv, d, out, bs);
+    }
+}
+
+/* The attention of `heads` query heads from `parts` partial results (`attend_part`), each
+ * `[heads][d + 2]` (output, then max and total): the normalized output `[heads][d]`. */
+static void merge_parts(const float *parts, int num_parts, int64_t part_stride, int heads,
+                        int d, float *out) {
+    for (int h = 0; h < heads; h++) {
+        float best = -INFINITY;
+        for (int p = 0; p < num_parts; p++) {
+            const float v = parts[p * part_stride + h * (d + 2) + d];
+            best = v > best ? v : best;
+        }
+        float total = 0.f;
+        float *oh = out + h * d;
+        memset(oh, 0, sizeof(float) * d);
+        for (int p = 0; p < num_parts; p++) {
+            const float *part = parts + p * part_stride + h * (d + 2);
+            if (part[d] == -INFINITY) continue;  /* an empty part */
+            const float w = expf(part[d] - best);
+            total += w * part[d + 1];
+#pragma omp simd
+            for (int i = 0; i < d; i++) oh[i] += w * part[i];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int i = 0; i < d; i++) oh[i] *= inv;
+    }
+}
+
+/* Parts a sequence's context is cut into so that every thread has work: at most
+ * MAX_PARTS, none shorter than MIN_PART_TOKENS. */
+#define MAX_PARTS 16
+#define MIN_PART_TOKENS 128
+
+static int parts_wanted(int rows, int kv, int threads) {
+    const int tasks = rows * kv;
+    int parts = (2 * threads + tasks - 1) / tasks;
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+
+static int64_t max_k(const bi_model *m) {
+    int64_t k = m->hidden;
+    if (m->intermediate > k) k = m->intermediate;
+    if (m->num_heads * m->head_dim > k) k = m->num_heads * m->head_dim;
+    return k;
+}
+
+/* Where `bi_decode`'s scratch goes: shared buffers, then one private set per thread. */
+typedef struct {
+    float *x, *qkv, *att, *gu, *parts;
+    void *att_in;   /* the o projection's prepared input (filled slice by slice) */
+    int32_t *done;  /* [layers][rows][kv]: parts of each attention finished */
+    float *private_base;
+    int64_t private_floats, total;
+} bi_scratch;
+
+static int64_t floats_for(int64_t bytes) { return (bytes + 63) / 64 * 16; }
+
+static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float *work) {
+    const int64_t h = m->hidden, d = m->head_dim, kv = m->num_kv_heads;
+    const int64_t qkv = (m->num_heads + 2 * kv) * d, att = (int64_t)m->num_heads * d;
+    const int64_t per_kv = m->num_heads / kv, parts = parts_wanted(rows, (int)kv, threads);
+    bi_scratch s = {0};
+    int64_t at = 0;  /* offsets in floats; `work` may be NULL when only sizing */
+#define TAKE(n) (at += (n), at - (n))
+    const int64_t x = TAKE(rows * h), q = TAKE(rows * qkv), a = TAKE(rows * att);
+    const int64_t att_in = TAKE(floats_for(input_bytes(att, rows)));
+    const int64_t gu = TAKE(rows * 2 * (int64_t)m->intermediate);
+    const int64_t pa = TAKE(rows * kv * parts * per_kv * (d + 2));
+    const int64_t done = TAKE((int64_t)m->num_layers * rows * kv);
+#undef TAKE
+    /* per thread: normalized input, silu(gate) * up, a linear's prepared input, scores,
+     * rotated queries */
+    s.private_floats = rows * (h + m->intermediate) + floats_for(input_bytes(max_k(m), rows))
+                       + per_kv * (m->block_size + d) + 16;
+    s.total = at + threads * s.private_floats;
+    if (work) {
+        s.x = work + x; s.qkv = work + q; s.att = work + a; s.att_in = work + att_in;
+        s.gu = work + gu; s.parts = work + pa; s.done = (int32_t *)(work + done);
+        s.private_base = work + at;
+    }
+    return s;
+}
+
+/* Floats of scratch `bi_decode` needs for `rows` rows and `threads` threads. */
+int64_t bi_work_floats(const bi_model *m, int rows, int threads) {
+    return scratch_layout(m, rows, threads, NULL).total;
+}
+
+/* Every row of x normalized into `out`, prepared as linear `l` reads it. */
+static bi_input norm_rows(const bi_model *m, const float *x, const float *w, int rows,
+                          const bi_linear *l, float *out, void *scratch) {
+    for (int r = 0; r < rows; r++)
+        rms_norm(x + r * m->hidden, w, m->hidden, m->eps, out + r * m->hidden);
+    bi_input in = input_at(out, m->hidden, m->hidden, rows, scratch);
+    prepare_rows(l, &in, rows);
+    return in;
+}
+
+/* One decode step: `rows` sequences, one new token each (`tokens`, `positions`), their K/V
+ * written at `slots`; sequence r's context is `context_lens[r]` tokens whose blocks are
+ * `block_ids[block_starts[r] ..]`. Writes `logits` `[rows][vocab]`. `work`: at least
+ * `bi_work_floats(m, rows, threads)` floats.
+ *
+ * One parallel region, five barriers a layer: each thread normalizes the whole residual
+ * stream into its own buffer (a few hundred floats a row: cheaper than a barrier), so a
+ * linear's outputs split among threads start as soon as its input is complete; an attention
+ * task ropes its own queries, the task holding a sequence's last block writes the new K/V,
+ * and the last part of a cut context to finish merges the parts. */
+void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t *positions,
+               const int64_t *slots, const int64_t *context_lens, const int64_t *block_ids,
+               const int64_t *block_starts, float *work, float *logits, int threads) {
+    const int hidden = m->hidden, d = m->head_dim, heads = m->num_heads, kv = m->num_kv_heads;
+    const int inter = m->intermediate, bs = m->block_size, half = d / 2;
+    const int qkv_n = (heads + 2 * kv) * d, att_n = heads * d, per_kv = heads / kv;
+    const int max_parts = parts_wanted(rows, kv, threads);
+    const int64_t part_stride = (int64_t)per_kv * (d + 2);
+    const int64_t layer_stride = m->num_blocks * 2 * kv * (int64_t)bs * d;
+    const bi_scratch s = scratch_layout(m, rows, threads, work);
+    float *x = s.x, *qkv = s.qkv, *att = s.att, *gu = s.gu;
+    const bi_input att_in = input_at(att, att_n, att_n, rows, s.att_in);
+
+    for (int r = 0; r < rows; r++)
+        memcpy(x + r * hidden, m->embed + tokens[r] * (int64_t)hidden, sizeof(float) * hidden);
+    memset(s.done, 0, sizeof(int32_t) * (size_t)m->num_layers * rows * kv);
+
+#pragma omp parallel num_threads(threads)
+    {
+        float *h = s.private_base + omp_get_thread_num() * s.private_floats;
+        float *act = h + rows * hidden;
+        void *in_scratch = act + rows * inter;
+        float *scores = (float *)in_scratch + floats_for(input_bytes(max_k(m), rows));
+        float *q_rot = scores + per_kv * bs;
+        for (int li = 0; li < m->num_layers; li++) {
+            const bi_layer *L = m->layers + li;
+            float *cache = m->kv_cache + li * layer_stride;
+            int32_t *done = s.done + (int64_t)li * rows * kv;
+            bi_input in = norm_rows(m, x, L->input_norm, rows, &L->qkv, h, in_scratch);
+            linear_share(&L->qkv, &in, rows, qkv, qkv_n, 0);
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < rows * kv * max_parts; task++) {
+                const int r = task / (kv * max_parts), i = task / max_parts % kv;
+                const int part = task % max_parts;
+                const int64_t context = context_lens[r], blocks = (context + bs - 1) / bs;
+                int num_parts = (int)((context + MIN_PART_TOKENS - 1) / MIN_PART_TOKENS);
+                num_parts = num_parts > max_parts ? max_parts : num_parts < 1 ? 1 : num_parts;
+                if (part >= num_parts) continue;
+                const float *row = qkv + r * qkv_n;
+                const float *c = m->rope_cos + positions[r] * half;
+                const float *sn = m->rope_sin + positions[r] * half;
+                memcpy(q_rot, row + i * per_kv * d, sizeof(float) * per_kv * d);
+                for (int j = 0; j < per_kv; j++) rope(q_rot + j * d, c, sn, half);
+                if (part == num_parts - 1) {  /* the part that reads the new token's slot */
+                    const int64_t block = slots[r] / bs, offset = slots[r] % bs;
+                    float *kdst = cache + (((block * 2 + 0) * kv + i) * bs + offset) * d;
+                    float *vdst = cache + (((block * 2 + 1) * kv + i) * bs + offset) * d;
+                    memcpy(kdst, row + (heads + i) * d, sizeof(float) * d);
+                    rope(kdst, c, sn, half);
+                    memcpy(vdst, row + (heads + kv + i) * d, sizeof(float) * d);
+                }
+                float *first = s.parts + (int64_t)(r * kv + i) * max_parts * part_stride;
+                float *out = first + part * part_stride;
+                float mx[per_kv], total[per_kv], acc[per_kv * d];
+                attend_part(m, cache, q_rot, context, block_ids + block_starts[r],
+                            blocks * part / num_parts, blocks * (part + 1) / num_parts, i, acc,
+                            mx, total, scores);
+                for (int j = 0; j < per_kv; j++) {
+                    memcpy(out + j * (d + 2), acc + j * d, sizeof(float) * d);
+                    out[j * (d + 2) + d] = mx[j];
+                    out[j * (d + 2) + d + 1] = total[j];
+                }
+                /* The last part to finish (its writes released, the others' acquired) merges
+                 * them and prepares its slice of the output for the o projection. */
+                if (__atomic_add_fetch(done + r * kv + i, 1, __ATOMIC_ACQ_REL) == num_parts) {
+                    const int at = i * per_kv * d;
+                    merge_parts(first, num_parts, part_stride, per_kv, d, att + r * att_n + at);
+                    if (L->o.kind != BI_F32)
+                        quantize_groups(att + r * att_n + at, per_kv * d / GROUP,
+                                        att_in.q + (int64_t)r * att_n + at,
+                                        att_in.scale + (int64_t)r * (att_n / GROUP) + at / GROUP,
+                                        att_in.sum + (int64_t)r * (att_n / GROUP) + at / GROUP);
+                }
+            }
+            linear_share(&L->o, &att_in, rows, x, hidden, 1);  /* x += o(att) */
+#pragma omp barrier
+            in = norm_rows(m, x, L->post_norm, rows, &L->gate_up, h, in_scratch);
+            linear_share(&L->gate_up, &in, rows, gu, 2 * inter, 0);
+#pragma omp barrier
+            for (int r = 0; r < rows; r++) {  /* silu(gate) * up, all of it, in each thread */
+                memcpy(act + r * inter, gu + r * 2 * inter, sizeof(float) * inter);
+                silu_mul(act + r * inter, gu + r * 2 * inter + inter, 0, inter);
+            }
+            in = input_at(act, inter, inter, rows, in_scratch);
+            prepare_rows(&L->down, &in, rows);
+            linear_share(&L->down, &in, rows, x, hidden, 1);  /* x += down(act) */
+#pragma omp barrier
+        }
+        bi_input in = norm_rows(m, x, m->final_norm, rows, &m->lm_head, h, in_scratch);
+        linear_share(&m->lm_head, &in, rows, logits, m->vocab, 0);
+    }
+}

@@ -1,0 +1,110 @@
+"""Weights in the native kernels' layouts (see cpu_kernels.c) and a linear that runs them.
+
+`q4`: GGUF Q4_1's grid (4-bit integers in groups of 32 with a scale and an offset), so a Q4_1
+checkpoint's weights are the checkpoint's own; `q8`: symmetric int8 in groups of 32 with one
+scale (GGUF Q8_0's grid: a Q8_0 tensor, such as the embedded model's token embedding, comes
+back exactly). Both keep the activations in float32: the only rounding is the weights'.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from batchinfer import native
+
+
+class NativeLinear:
+    """`y = x @ W.T + b` by `bi_linear_forward`, for float32 CPU inputs `[..., k]`.
+
+    Holds the tensors its `struct` points into; `struct` is what the fused decode step reads.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, kind: int, n: int, k: int,
+                 tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> None:
+        self.lib = lib
+        self.n, self.k = n, k
+        self.tensors = tensors
+        self.bias = bias
+        pointers = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
+        self.struct = native.Linear(kind, n, k, 0, *pointers,
+                                    None if bias is None else bias.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        parts = [*self.tensors] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.k)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
+        if rows.shape[0] and self.lib.bi_linear_forward(
+                ctypes.byref(self.struct), rows.shape[0], rows.data_ptr(), out.data_ptr(),
+                torch.get_num_threads()):
+            raise MemoryError("the native linear could not allocate its scratch")
+        return out.view(*x.shape[:-1], self.n).to(x.dtype)
+
+
+def check_shape(n: int, k: int, kind: str) -> None:
+    """ValueError unless the native layouts take an `[n, k]` weight."""
+    if n % native.TILE or k % native.GROUP:
+        raise ValueError(f"the {kind} native kernel needs outputs a multiple of {native.TILE} "
+                         f"and inputs a multiple of {native.GROUP}, not a {n}x{k} weight")
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit integers `[n, k]` (0..15) and their per-group `scale`, `offset` (`[n, k/32]`,
+    weight = q * scale + offset) -> the q4 layout: bytes `[n/16, k/32, 8, 32]` (chunk i, byte
+    2j+e: q[j][2i+e] | q[j][2i+16+e] << 4 for output j of the tile), scale and offset
+    `[n/16, k/32, 16]`."""
+    n, k = q.shape
+    check_shape(n, k, "q4")
+    tiles, groups = n // native.TILE, k // native.GROUP
+    by_group = q.to(torch.uint8).view(tiles, native.TILE, groups, native.GROUP).transpose(1, 2)
+    # [tiles, groups, 16 outputs, 32]: elements 0-15 go low, 16-31 high; (2i + e) -> (i, e)
+    low = by_group[..., :16].reshape(tiles, groups, native.TILE, 8, 2)
+    high = by_group[..., 16:].reshape(tiles, groups, native.TILE, 8, 2)
+    packed = (low | (high << 4)).permute(0, 1, 3, 2, 4).reshape(tiles, groups, 8, 32)
+    return packed.contiguous(), _by_tile(scale, n, groups), _by_tile(offset, n, groups)
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in groups of 32 (scale = the group's largest |w| / 127) in the q8
+    layout: bytes `[n/16, k/32, 16, 32]` (chunk p, byte 2j+e: q[j][2p+e]) and scales
+    `[n/16, k/32, 16]`."""
+    n, k = weight.shape
+    check_shape(n, k, "q8")
+    tiles, groups = n // native.TILE, k // native.GROUP
+    q, scale = quantize_q8(weight)
+    by_group = q.view(tiles, native.TILE, groups, native.GROUP).transpose(1, 2)
+    packed = by_group.reshape(tiles, groups, native.TILE, 16, 2).permute(0, 1, 3, 2, 4)
+    return packed.reshape(tiles, groups, 16, 32).contiguous(), _by_tile(scale, n, groups)
+
+
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 `[n, k/32, 32]` and scales `[n, k/32]`: each group of 32 scaled by its largest |w|
+    / 127 (GGUF Q8_0's rule, so a Q8_0 tensor comes back as its own integers)."""
+    n, k = weight.shape
+    if k % native.GROUP:
+        raise ValueError(f"q8 needs the input size ({k}) to be a multiple of {native.GROUP}")
+    w = weight.detach().float().view(n, k // native.GROUP, native.GROUP)
+    scale = w.abs().amax(dim=2) / 127.0
+    q = torch.round(w / scale.clamp_min(1e-30)[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _by_tile(t: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """Per-(output, group) values `[n, groups]` as `[n/16, groups, 16]`."""
+    return t.float().reshape(n // native.TILE, native.TILE, groups).transpose(1, 2).contiguous()
+
+
+def dequantize_q8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 `[n, k]` weights a q8 layout holds (for tests and quality checks)."""
+    tiles, groups = packed.shape[:2]
+    q = packed.view(tiles, groups, 16, native.TILE, 2).permute(0, 1, 3, 2, 4)
+    w = q.reshape(tiles, groups, native.TILE, native.GROUP).float() * scale[..., None]
+    return w.transpose(1, 2).reshape(tiles * native.TILE, groups * native.GROUP)

@@ -1,0 +1,233 @@
+"""Decode steps in one native call: the whole model for a step of single-token sequences.
+
+A decode step of one sequence does little arithmetic per op and runs about 400 torch ops
+(norms, projections, RoPE, cache writes, attention, SwiGLU, residual adds), each with a few
+microseconds of dispatch: at one row that fixed cost is most of the step. `bi_decode`
+(`native/cpu_kernels.c`) runs every layer, the final norm and the LM head in one OpenMP region,
+reading the weights in the forms the linear kernels chose (`KernelLinear.native`: 4-bit or
+8-bit groups, or the dense float32 weight) and the KV cache in place.
+
+It takes a step when every sequence in it brings one token (decodes, sorted first by
+`prepare_inputs`) and its row bucket (1; 2-8; 9-32; 33+ sequences) is one where the native
+step measured faster than the torch one at start-up (`choose_buckets`: a few dummy decode
+steps each way, at the bucket's probe rows; the answer is cached like the kernel choice, so a
+restart measures nothing). Every linear needs a native form at that bucket: its chosen
+kernel's, or the `q4_native` / `q8_native` form kept for decode steps. Other steps (prefill
+chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
+a float32 cache in the block-rows layout (`cpu_sparse`, `gather`); `NativeDecoder.build` says
+why not otherwise. The two paths compute the same function: tests/test_native_decode.py
+checks their logits against each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import astuple
+from pathlib import Path
+
+import torch
+
+from batchinfer import native
+from batchinfer.core.outputs import ScheduledSequence
+from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.models.hardware import cpu_model
+from batchinfer.models.linear_kernels import BUCKET_NAMES, PROBE_ROWS, KernelLinear, bucket_of
+from batchinfer.models.llama import DecoderLayer, LlamaForCausalLM
+from batchinfer.runner.backends.paged_rows import PagedRowsBackend
+from batchinfer.runner.input_batch import StepInputs, prepare_inputs
+
+# Start-up measurement: dummy decode steps of this many context tokens per sequence, a warm-up
+# then this many timed steps each way, alternating (the median counts).
+PROBE_CONTEXT = 128
+PROBE_STEPS = 3
+
+logger = logging.getLogger(__name__)
+
+
+class NativeDecoder:
+    """`logits(inputs)` of a decode step by `bi_decode`, for the row buckets it takes."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, backend: PagedRowsBackend,
+                 buckets: tuple[bool, ...]) -> None:
+        self.lib = lib
+        self.model = model
+        self.backend = backend
+        self.buckets = buckets  # per row bucket: whether its steps run here
+        # Per bucket, the model as `bi_decode` reads it, and the layer array it points into.
+        self._structs: list[tuple[native.Model, ctypes.Array[native.Layer]] | None] = [
+            self._model_struct(b) if on else None for b, on in enumerate(buckets)]
+        self._work = torch.empty(0)
+        self._logits = torch.empty(0)
+
+    @classmethod
+    def build(cls, model: object, backend: object) -> tuple[NativeDecoder | None, str]:
+        """The decoder, or None and why it cannot run this model and cache."""
+        lib = native.library()
+        if lib is None:
+            return None, "the native kernels are not built here"
+        if not isinstance(model, LlamaForCausalLM):
+            return None, "not a Llama-family model"
+        if not isinstance(backend, PagedRowsBackend) or backend.kv_dtype != torch.float32:
+            return None, "needs a float32 KV cache in the block-rows layout"
+        if backend.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.float32:
+            return None, "needs float32 weights on the CPU"
+        spec = model.spec
+        if spec.num_heads % spec.num_kv_heads or (
+                spec.num_heads // spec.num_kv_heads * spec.head_dim) % native.GROUP:
+            return None, (f"needs the query heads of a KV head to span a multiple of "
+                          f"{native.GROUP} values")
+        linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+        if not isinstance(model.lm_head, KernelLinear) or len(linears) != (
+                4 * model.spec.num_layers + 1):
+            return None, "the linears have no chosen kernels"
+        buckets = tuple(all(linear.native[b] is not None for linear in linears)
+                        for b in range(len(BUCKET_NAMES)))
+        if not any(buckets):
+            return None, "no row bucket has native kernels for every linear"
+        return cls(lib, model, backend, buckets), ""
+
+    def bucket_names(self) -> list[str]:
+        """The row buckets (`BUCKET_NAMES`) whose decode steps run here."""
+        return [name for name, on in zip(BUCKET_NAMES, self.buckets, strict=True) if on]
+
+    def describe(self) -> str:
+        taken = self.bucket_names()
+        return f"rows {', '.join(taken)}" if taken else "no row bucket"
+
+    def cache_key(self) -> str:
+        """What the native-vs-torch choice depends on: machine, torch, threads, the model's
+        shape, the cache's block size and every linear's kernels and native forms."""
+        linears = [m for m in self.model.modules() if isinstance(m, KernelLinear)]
+        facts = {
+            "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "spec": [str(v) for v in astuple(self.model.spec)],
+            "block_size": self.backend.block_size, "source": native.SOURCE.read_text(),
+            "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
+                               for m in linears}),
+            "probe": [PROBE_ROWS, PROBE_CONTEXT, PROBE_STEPS],
+        }
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+    def keep_buckets(self, buckets: tuple[bool, ...]) -> None:
+        """Take only these buckets' steps from now on."""
+        self.buckets = tuple(a and b for a, b in zip(self.buckets, buckets, strict=True))
+
+    def _model_struct(self, bucket: int) -> tuple[native.Model, ctypes.Array[native.Layer]]:
+        model, spec = self.model, self.model.spec
+        layers = (native.Layer * spec.num_layers)()
+        for i, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            layers[i] = native.Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                *(_linear(linear, bucket) for linear in (
+                    attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+        struct = native.Model(
+            spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
+            spec.head_dim, spec.intermediate_size, spec.vocab_size, self.backend.block_size,
+            spec.rms_norm_eps, 0.0, model.embed_tokens.weight.data_ptr(),
+            model.norm.weight.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
+            layers, _linear(model.lm_head, bucket), 0, 0)
+        return struct, layers
+
+    def accepts(self, inputs: StepInputs) -> bool:
+        metadata = inputs.attention
+        return (metadata.num_decodes == metadata.num_seqs
+                and self.buckets[bucket_of(metadata.num_seqs)])
+
+    def logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits `[rows, vocab]` of a step `accepts` took, one row per sequence, its
+        K/V written into the cache. The tensor is reused by the next step."""
+        metadata = inputs.attention
+        rows = metadata.num_seqs
+        entry = self._structs[bucket_of(rows)]
+        assert entry is not None, "a step accepts() refused"
+        struct = entry[0]
+        cache = self.backend.kv_cache  # read each step: the backend may reallocate it
+        struct.kv_cache, struct.num_blocks = cache.data_ptr(), cache.shape[1]
+        struct.block_size = self.backend.block_size
+        threads = torch.get_num_threads()
+        need = self.lib.bi_work_floats(ctypes.byref(struct), rows, threads)
+        if self._work.numel() < need:
+            self._work = torch.empty(need)
+        vocab = self.model.spec.vocab_size
+        if self._logits.numel() < rows * vocab:
+            self._logits = torch.empty(rows * vocab)
+        logits = self._logits[: rows * vocab].view(rows, vocab)
+        pointers = (t.data_ptr() for t in (
+            inputs.input_ids, inputs.positions, metadata.slot_mapping,
+            metadata.context_lens_tensor, metadata.block_ids, metadata.block_starts_tensor,
+            self._work, logits))
+        self.lib.bi_decode(ctypes.byref(struct), rows, *pointers, threads)
+        return logits
+
+
+def _linear(linear: object, bucket: int) -> native.Linear:
+    """The native form a linear's kernel reads at `bucket` (`build` checked it has one)."""
+    assert isinstance(linear, KernelLinear)
+    form = linear.native[bucket]
+    assert form is not None
+    return form.struct
+
+
+def choose_buckets(decoder: NativeDecoder, torch_logits: Callable[[StepInputs], torch.Tensor],
+                   num_blocks: int, cache_dir: Path | None) -> tuple[bool, ...]:
+    """Per row bucket, whether native decode steps beat the torch model's there: measured
+    on dummy decode steps of `PROBE_ROWS` sequences (`torch_logits` runs one the torch way),
+    or read from the cache folder where this machine measured the same setup. A bucket the
+    cache cannot hold the probe of keeps the torch model. The dummy steps write K/V into
+    blocks no sequence owns yet; every slot is written again before a real step reads it."""
+    path = None
+    if cache_dir is not None:
+        path = cache_dir / "native-decode" / f"{decoder.cache_key()}.json"
+        try:
+            stored = json.loads(path.read_text())["native"]
+            if isinstance(stored, list) and len(stored) == len(BUCKET_NAMES):
+                return tuple(bool(on) and able for on, able in
+                             zip(stored, decoder.buckets, strict=True))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not measured yet here, or unreadable: measure
+    block_size = decoder.backend.block_size
+    per_seq = -(-(PROBE_CONTEXT + 1) // block_size)
+    chosen, seconds = [], {}
+    for bucket, rows in enumerate(PROBE_ROWS):
+        if not decoder.buckets[bucket] or rows * per_seq > num_blocks:
+            chosen.append(False)
+            continue
+        params = SamplingParams(max_tokens=1, temperature=0)
+        sequences = [ScheduledSequence(f"probe-{i}", [1], PROBE_CONTEXT,
+                                       list(range(i * per_seq, (i + 1) * per_seq)), True,
+                                       params, PROBE_CONTEXT) for i in range(rows)]
+        inputs = prepare_inputs(sequences, block_size, decoder.backend.device)
+        ways = {"native": decoder.logits, "torch": torch_logits}
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        with torch.inference_mode():
+            for step in range(PROBE_STEPS + 1):
+                for name, run in ways.items():
+                    start = time.perf_counter()
+                    run(inputs)
+                    if step:  # the first of each is a warm-up
+                        times[name].append(time.perf_counter() - start)
+        native_s, torch_s = (statistics.median(times[name]) for name in ("native", "torch"))
+        seconds[BUCKET_NAMES[bucket]] = {"native": native_s, "torch": torch_s}
+        chosen.append(native_s < torch_s)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"cpu": cpu_model(), "native": chosen,
+                                       "seconds_per_step": seconds}, indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            logging.getLogger(__name__).warning(
+                "could not cache the native decode choice in %s: %s", path, exc)
+    return tuple(chosen)

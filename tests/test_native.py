@@ -1,0 +1,255 @@
+"""The native CPU kernels (`native/cpu_kernels.c`): each computes the product `F.linear`
+computes on the same weights, a decode step in one native call gives the torch model's
+logits, the choice between them is measured and cached, and without a compiler everything
+falls back to torch's kernels."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchinfer import LLM, SamplingParams, native
+from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
+from batchinfer.models.linear_kernels import (
+    KernelLinear,
+    WeightForms,
+    candidates,
+    dequantize_q4,
+    kernel_names,
+    quantize_q4,
+)
+from batchinfer.models.loader import load_model
+from batchinfer.native.linear import NativeLinear, dequantize_q8, pack_q8, quantize_q8
+from batchinfer.runner.input_batch import prepare_inputs
+from batchinfer.runner.model_runner import ModelRunner
+from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
+from tests.tiny_models import make_tiny_llama
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = native.library()
+    if built is None:
+        pytest.skip("the native kernels cannot be built here (no working C compiler)")
+    return built
+
+
+def weights(n: int, k: int, seed: int = 0, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.2,
+            torch.randn(n, generator=g) if bias else None)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (32, 96), (16, 32)])
+def test_native_kernels_compute_the_product_of_their_weights(lib, n, k):
+    """Every row count (row tiles of 4 and a remainder), with and without a bias: q4 and q8
+    against F.linear on the weights they hold, float32 against the weight itself. The
+    quantized ones round each input group of 32 to 16-bit integers: within 1e-4."""
+    for seed, with_bias in ((0, True), (1, False)):
+        w, b = weights(n, k, seed, with_bias)
+        forms = WeightForms(w, b)
+        q4 = dequantize_q4(*quantize_q4(w))
+        q8 = dequantize_q8(*pack_q8(w))
+        f32 = NativeLinear(lib, native.F32, n, k, (w,), b)
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            assert relative_error(forms.kernel("q4_native")(x), F.linear(x, q4, b)) < 1e-4
+            assert relative_error(forms.kernel("q8_native")(x), F.linear(x, q8, b)) < 1e-4
+            assert relative_error(f32(x), F.linear(x, w, b)) < 1e-5
+        # inputs of any leading shape and dtype come back in that shape and dtype
+        x3 = torch.randn(2, 3, k, dtype=torch.float64)
+        out = forms.kernel("q4_native")(x3)
+        assert out.shape == (2, 3, n) and out.dtype == torch.float64
+
+
+def test_q8_holds_a_q8_0_tensor_exactly_and_rounds_others_per_group():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (32, 64), generator=g)
+    q[:, ::32] = 127  # each group's largest |q|, as Q8_0 blocks have
+    d = torch.rand(32, 2, 1, generator=g) * 0.01 + 1e-3
+    w = (q.view(32, 2, 32).float() * d).view(32, 64)
+    packed, scale = pack_q8(w)
+    assert packed.shape == (2, 2, 16, 32) and scale.shape == (2, 2, 16)
+    torch.testing.assert_close(dequantize_q8(packed, scale), w, rtol=1e-6, atol=0)
+    back, _ = quantize_q8(w)
+    assert torch.equal(back.view(32, 64), q.to(torch.int8))
+    other = torch.randn(32, 64)
+    err = (dequantize_q8(*pack_q8(other)) - other).abs().view(32, 2, 32)
+    assert bool((err <= other.abs().view(32, 2, 32).amax(2, keepdim=True) / 254 + 1e-7).all())
+
+
+def test_shapes_the_layouts_cannot_take_are_refused_and_fall_back(lib):
+    w, b = weights(40, 64)  # 40 outputs: no tile of 16
+    forms = WeightForms(w, b)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        forms.kernel("q4_native")
+    layer = KernelLinear(WeightForms(w, b), ("q4_native", "q8_native", "q4_native", "dense"))
+    assert layer.kernels == ("q4_dense", "dense", "q4_dense", "dense")
+    one, three = torch.randn(1, 64), torch.randn(3, 64)  # buckets "1" and "2-8"
+    torch.testing.assert_close(layer(one), F.linear(one, dequantize_q4(*quantize_q4(w)), b),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(three), F.linear(three, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_library_native_kernels_are_neither_candidates_nor_forced(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda cache_dir=None: None)
+    assert "q4_native" not in candidates("q4", CPU, torch.float32)
+    with pytest.raises(ValueError, match="linear_kernels 'q4_native' cannot run here"):
+        kernel_names("q4", "q4_native", CPU, torch.float32)
+    w, b = weights(32, 64)
+    layer = KernelLinear(WeightForms(w, b), ("q4_native",) * 4)
+    assert layer.kernels == ("q4_dense",) * 4
+    assert layer.native == (None,) * 4
+
+
+def test_a_missing_or_failing_compiler_leaves_the_torch_kernels(tmp_path, monkeypatch, caplog):
+    for compiler, reason in (("/nonexistent/cc", "no C compiler"),
+                             ("false", "building the native CPU kernels failed")):
+        monkeypatch.setenv("CC", compiler)
+        with caplog.at_level(logging.WARNING, logger="batchinfer.native"):
+            assert native.library(tmp_path / compiler.strip("/").replace("/", "-")) is None
+        assert reason in caplog.text
+        caplog.clear()
+    monkeypatch.setenv("BATCHINFER_NATIVE", "0")
+    monkeypatch.delenv("CC")
+    assert native.library(tmp_path / "off") is None
+
+
+def _llama(tmp_path, quantization: str, kernels: str, **overrides):
+    folder = make_tiny_llama(tmp_path, **overrides)
+    loaded = load_model(str(folder), torch.float32, CPU)
+    loaded.model.choose_linear_kernels(quantization, kernels, CPU, torch.float32, None,
+                                       native_decode=True)
+    runner = ModelRunner(loaded.model, loaded.spec, 160, BLOCK_SIZE, CPU, torch.float32, [2],
+                         0)
+    return loaded, runner
+
+
+def _sequences(lengths: list[int], vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    per_seq = 40  # blocks: 640 tokens
+    return [{"id": str(i), "tokens": [rng.randrange(vocab) for _ in range(n)],
+             "table": list(range(i * per_seq, (i + 1) * per_seq))}
+            for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("case", ["q4-head64", "dense-qwen2-bias", "q4-tied"])
+def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
+    """Decode steps of 1 and 3 sequences (contexts up to ~330 tokens: cut into parts that
+    run on different threads and are merged) against the torch model on the same cache:
+    the same logits, each step's K/V written where the torch model writes them."""
+    quantization, kernels, overrides = {
+        # head_dim 64 and 2 query heads per KV head: the AVX-512 attention path
+        "q4-head64": ("q4", "q4_native", {"hidden_size": 128, "num_attention_heads": 2,
+                                          "num_key_value_heads": 1, "vocab_size": 320,
+                                          "intermediate_size": 256}),
+        "dense-qwen2-bias": ("none", "dense", {"arch": "qwen2"}),
+        "q4-tied": ("q4", "q4_native", {"tie_word_embeddings": True}),
+    }[case]
+    loaded, runner = _llama(tmp_path, quantization, kernels, **overrides)
+    decoder, why = NativeDecoder.build(loaded.model, runner.attention)
+    assert decoder is not None, why
+    assert decoder.buckets[0] and decoder.buckets[1]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    vocab = loaded.spec.vocab_size
+    seqs = _sequences([5, 140, 330], vocab, seed=1)
+    with torch.inference_mode():
+        runner.execute(SchedulerOutput([
+            ScheduledSequence(s["id"], s["tokens"], 0, s["table"], True, params,
+                              len(s["tokens"])) for s in seqs]))
+        rng = random.Random(2)
+        for step, members in enumerate([seqs, seqs[2:], seqs, seqs[:1]]):
+            scheduled = [ScheduledSequence(s["id"], [rng.randrange(vocab)], len(s["tokens"]),
+                                           s["table"], True, params, len(s["tokens"]))
+                         for s in members]
+            inputs = prepare_inputs(scheduled, BLOCK_SIZE, CPU)
+            assert decoder.accepts(inputs)
+            got = decoder.logits(inputs)[inputs.logits_indices].clone()
+            cache_after_native = runner.attention.kv_cache.clone()
+            want = runner._torch_logits(inputs)
+            tolerance = 1e-3 if quantization == "q4" else 1e-5
+            assert relative_error(got, want) < tolerance, (case, step)
+            assert relative_error(cache_after_native, runner.attention.kv_cache) < tolerance
+            for s, new in zip(members, scheduled, strict=True):
+                s["tokens"] = s["tokens"] + new.token_ids
+
+
+def test_native_decode_refuses_what_it_cannot_run(lib, tmp_path):
+    folder = make_tiny_llama(tmp_path)
+    loaded = load_model(str(folder), torch.float32, CPU)
+    loaded.model.choose_linear_kernels("q4", "q4_native", CPU, torch.float32, None,
+                                       native_decode=True)
+    fp8 = ModelRunner(loaded.model, loaded.spec, 64, BLOCK_SIZE, CPU, torch.float8_e4m3fn,
+                      [2], 0, attention_backend="gather")
+    decoder, why = NativeDecoder.build(loaded.model, fp8.attention)
+    assert decoder is None and "float32 KV cache" in why
+    sdpa = ModelRunner(loaded.model, loaded.spec, 64, BLOCK_SIZE, CPU, torch.float32, [2], 0,
+                       attention_backend="sdpa")
+    assert NativeDecoder.build(loaded.model, sdpa.attention)[0] is None
+    prefill = prepare_inputs([ScheduledSequence("a", [1, 2, 3], 0, [0], True,
+                                                SamplingParams(), 3)], BLOCK_SIZE, CPU)
+    gather = ModelRunner(loaded.model, loaded.spec, 64, BLOCK_SIZE, CPU, torch.float32, [2], 0,
+                         attention_backend="gather")
+    decoder, _ = NativeDecoder.build(loaded.model, gather.attention)
+    assert decoder is not None and not decoder.accepts(prefill)  # not one token each
+
+
+def test_the_native_or_torch_choice_is_measured_once_then_cached(lib, tmp_path):
+    loaded, runner = _llama(tmp_path, "q4", "q4_native")
+    decoder, _ = NativeDecoder.build(loaded.model, runner.attention)
+    timed = []
+
+    def torch_logits(inputs):
+        timed.append(inputs.attention.num_seqs)
+        return runner._torch_logits(inputs)
+
+    # 160 blocks of 16: the 256-sequence probe (9 blocks each) does not fit: torch there
+    first = choose_buckets(decoder, torch_logits, 160, tmp_path / "cache")
+    assert first[3] is False
+    assert sorted(set(timed)) == [1, 8]  # 32 x 9 blocks do not fit either
+    (stored,) = (tmp_path / "cache" / "native-decode").glob("*.json")
+    assert "seconds_per_step" in stored.read_text()
+
+    def refuse(inputs):
+        raise AssertionError("measured again")
+
+    assert choose_buckets(decoder, refuse, 160, tmp_path / "cache") == first
+
+
+def test_the_engine_decodes_the_same_tokens_natively(lib, tmp_path, monkeypatch):
+    """`native_decode` on and off: the same greedy tokens (the native steps taken: the
+    choice measured a tiny model's one-sequence step faster natively)."""
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    folder = make_tiny_llama(tmp_path)
+    prompts = [[5 + i, 17, 33 + i, 8] * (i + 1) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = {}
+    for on in (True, False):
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20, quantization="q4",
+                  linear_kernels="q4_native", native_decode=on)
+        decoder = llm.engine.worker.runner.native_decode
+        assert (decoder is not None and decoder.buckets[0]) if on else decoder is None
+        single = llm.generate([prompts[0]], params, use_tqdm=False)
+        batch = llm.generate(prompts, params, use_tqdm=False)
+        outputs[on] = [o.outputs[0].token_ids for o in single + batch]
+    assert outputs[True] == outputs[False]
+
+
+def test_decoder_describes_its_buckets(lib, tmp_path):
+    loaded, runner = _llama(tmp_path, "q4", "q4_native")
+    decoder, _ = NativeDecoder.build(loaded.model, runner.attention)
+    decoder.keep_buckets((True, False, True, False))
+    assert decoder.describe() == "rows 1, 9-32"
+    decoder.keep_buckets((False,) * 4)
+    assert decoder.describe() == "no row bucket"
