@@ -253,3 +253,33 @@ def test_decoder_describes_its_buckets(lib, tmp_path):
     assert decoder.describe() == "rows 1, 9-32"
     decoder.keep_buckets((False,) * 4)
     assert decoder.describe() == "no row bucket"
+
+
+def test_decode_forms_hold_the_weights_the_chosen_kernels_read(lib):
+    """A bucket whose kernel has no native form takes the decode form only when both read
+    the same weights (4-bit for the q4 kernels, float for dense/packed); dropped buckets
+    free theirs."""
+    w, _ = weights(32, 64, bias=False)
+
+    def kinds(layer: KernelLinear) -> list[int | None]:
+        return [None if f is None else f.struct.kind for f in layer.native]
+
+    head = KernelLinear(WeightForms(w, None), ("packed", "dense", "packed", "q8_native"),
+                        "dense")
+    assert kinds(head) == [native.F32, native.F32, native.F32, native.Q8]
+    layer = KernelLinear(WeightForms(w, None), ("q4_bf16", "q4_native", "q4_dense", "dense"),
+                         "q4_native")
+    assert kinds(layer) == [native.Q4, native.Q4, native.Q4, native.F32]
+    untied = KernelLinear(WeightForms(w, None), ("packed",) * 4)
+    assert kinds(untied) == [None] * 4  # no float copy kept for decode steps
+    layer.keep_native((True, False, False, True))
+    assert kinds(layer) == [native.Q4, None, None, native.F32]
+
+
+def test_the_library_is_keyed_by_the_cpus_instruction_set(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: sse avx2 avx512f\nmodel name\t: X\n")
+    assert native.cpu_features(info) == "avx2 avx512f sse"
+    info.write_text("Features\t: fp asimd\n")
+    assert native.cpu_features(info) == "asimd fp"
+    assert native.cpu_features(tmp_path / "missing") == ""

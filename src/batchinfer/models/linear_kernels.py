@@ -22,8 +22,9 @@ Candidates, by weight form (`quantization`):
   call, then `F.linear`: for large row counts the dequantization is a small share);
 - `q4`: 4-bit weights in groups of 32 with a scale and a zero (GGUF Q4_1's grid, an eighth of
   float32's bytes), run by `q4` (torch's `_weight_int4pack_mm_for_cpu`), `q4_bf16` or
-  `q4_dense`, likewise, or `q4_native` (`native/cpu_kernels.c`: the 4-bit integers unpacked
-  in registers and multiplied with the float32 activations, no rounding of the activations);
+  `q4_dense`, likewise, or `q4_native` (`native/cpu_kernels.c`: integer dot products of the
+  4-bit weights with the activations rounded to 16 bits per group of 32, an error of at most
+  1.5e-5 of the group's largest value);
 - the LM head of a quantized model: its float kernels, or `q8_native` (int8 in groups of 32,
   GGUF Q8_0's grid, a quarter of float32's bytes).
 
@@ -299,15 +300,24 @@ class KernelLinear(nn.Module):
         # Bytes each bucket's kernel reads per call (a step's memory traffic for the weights).
         self.read_bytes = tuple(forms.nbytes(name) for name in self.kernels)
         # Per bucket, the weight as the native decode step reads it (`runner/native_decode.py`):
-        # a native kernel's own form, or the dense float32 weight itself; None for the others.
-        # `decode_kernel` (a native kernel) makes its form too, for the buckets whose chosen
-        # kernel has none: whether a whole native step beats the torch one there is measured
-        # per step (a kernel timed alone pays a call's fixed cost that a native step does not).
+        # a native kernel's own form, or the dense float32 weight itself; else the form of
+        # `decode_kernel` (`q4_native` for the q4 kernels, `dense` for the float ones), made
+        # for the buckets whose chosen kernel has none but reads the same weights: whether a
+        # whole native step beats the torch one there is measured per step (a kernel timed
+        # alone pays a call's fixed cost that a native step does not).
         extra = None
         if decode_kernel is not None and runnable(forms, decode_kernel) == decode_kernel:
             extra = _native_form(forms, forms.kernel(decode_kernel), decode_kernel)
-        self.native = tuple(_native_form(forms, fn, name) or extra
-                            for fn, name in zip(self._fns, self.kernels, strict=True))
+        self.native = tuple(
+            _native_form(forms, fn, name)
+            or (extra if _family(name) == _family(decode_kernel) else None)
+            for fn, name in zip(self._fns, self.kernels, strict=True))
+
+    def keep_native(self, buckets: Sequence[bool]) -> None:
+        """Drop the native forms of the buckets whose decode steps do not run natively (a form
+        made only for them is freed; a chosen kernel's own stays with the kernel)."""
+        self.native = tuple(form if keep else None
+                            for form, keep in zip(self.native, buckets, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
@@ -315,6 +325,13 @@ class KernelLinear(nn.Module):
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{b}: {k}" for b, k in zip(BUCKET_NAMES, self.kernels, strict=True))
         return f"in_features={self.in_features}, out_features={self.out_features}, {chosen}"
+
+
+def _family(kernel: str | None) -> str | None:
+    """Kernels of one family read the same weights (float; 4-bit groups; int8 per channel)."""
+    if kernel is None:
+        return None
+    return "float" if kernel in ("dense", "packed") else kernel.split("_")[0]
 
 
 def _native_form(forms: WeightForms, fn: Callable[[torch.Tensor], torch.Tensor], name: str
@@ -561,8 +578,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
     name) or, with `auto`, the fastest measured here. With quantized weights the sites named
     in `heads` (the LM head) are not 4-bit: their kernels are measured among the float ones and
     `HEAD_KERNELS` (8-bit groups), whatever `kernels` says. `native_decode`: every site of
-    q4 weights also gets its `q4_native` form and a quantized model's heads their `q8_native`
-    one, for native decode steps (`KernelLinear.native`).
+    q4 weights also gets its `q4_native` form, and an `extra` head (a tied one, whose float
+    weight stays anyway) its float32 one, for native decode steps (`KernelLinear.native`).
     `ValueError` names the knob when the kernel cannot run this weight form or device."""
     names = kernel_names(quantization, kernels, device, dtype, allow_packed)
     extra = extra or {}
@@ -585,10 +602,16 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
                   (head_names, [n for n in site_names if n in heads])]
     choice: dict[tuple[int, int], tuple[str, ...]] = {}
     sources = []
-    decode_kernel: dict[int, str | None] = {0: None, 1: None}
-    if native_decode and native_available(device, dtype) and quantization != "none":
-        decode_kernel = {0: "q4_native" if quantization == "q4" else None, 1: "q8_native"}
-    for index, (group_names, group) in enumerate(groups):
+    native = native_decode and native_available(device, dtype)
+
+    def decode_kernel(name: str) -> str | None:
+        if not native:
+            return None
+        if name in heads:  # never a copy of a float weight that would not stay anyway
+            return "dense" if name in extra else None
+        return "q4_native" if quantization == "q4" else None
+
+    for group_names, group in groups:
         if not group:
             continue
         sites = [WeightForms(*weight_of(name)) for name in group]
@@ -603,7 +626,7 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
             parent = module.get_submodule(parent_name) if parent_name else module
             shape = (weight.shape[0], weight.shape[1])
             layer = KernelLinear(WeightForms(weight, bias), plan.choice[shape],
-                                 decode_kernel[index])
+                                 decode_kernel(name))
             setattr(parent, attr, layer)
             choice[shape] = layer.kernels  # what runs (a refused choice: its fallback)
             del weight, bias

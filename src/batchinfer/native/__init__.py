@@ -3,8 +3,8 @@ ctypes.
 
 Why compiled here rather than shipped: the fastest code differs by CPU (AVX-512 on one
 machine, AVX2 on another), so the library is built with `-march=native` by the system C
-compiler (`$CC`, else `cc`) into the cache folder, keyed by the source, the compiler and the
-CPU model: a restart, or another process, loads the built library without compiling (about a
+compiler (`$CC`, else `cc`) into the cache folder, keyed by the source, the compiler, the CPU
+model and its instruction-set flags: a restart, or another process, loads the built library without compiling (about a
 second when it does). No compiler, or a failed build: `library()` returns None, says why once
 in the log, and every caller keeps torch's kernels. `BATCHINFER_NATIVE=0` turns it off.
 
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import threading
@@ -28,7 +29,11 @@ from batchinfer.models.hardware import cpu_model
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# -fno-strict-aliasing: 16-bit inputs are read as 32-bit pairs; -fno-math-errno: lrintf and
+# sqrtf become single instructions.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
+         "-fno-strict-aliasing", "-fno-math-errno")
+LIBS = ("-lm",)
 
 # Weight layouts of `bi_linear.kind` (see cpu_kernels.c).
 F32, Q4, Q8 = 0, 1, 2
@@ -70,6 +75,20 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's instruction-set flags (`flags` on x86, `Features` on Arm): a library built
+    for `-march=native` is reused only where the same instructions exist (a VM may hide some
+    behind the same model name). Empty where they cannot be read."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return ""
+
+
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The built library (building it on first use), or None where it cannot be had."""
     if os.environ.get("BATCHINFER_NATIVE", "1") == "0":
@@ -93,12 +112,13 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
         digest = hashlib.sha256("\0".join(
-            [SOURCE.read_text(), version, cpu_model(), *FLAGS]).encode()).hexdigest()[:20]
+            [SOURCE.read_text(), version, platform.machine(), cpu_model(), cpu_features(),
+             *FLAGS]).encode()).hexdigest()[:20]
         target = folder / f"cpu_kernels-{digest}.so"
         if not target.exists():
             folder.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".{os.getpid()}.tmp")  # one per builder: no torn files
-            result = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)],
+            result = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), *LIBS],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 tmp.unlink(missing_ok=True)

@@ -3,7 +3,9 @@
 `q4`: GGUF Q4_1's grid (4-bit integers in groups of 32 with a scale and an offset), so a Q4_1
 checkpoint's weights are the checkpoint's own; `q8`: symmetric int8 in groups of 32 with one
 scale (GGUF Q8_0's grid: a Q8_0 tensor, such as the embedded model's token embedding, comes
-back exactly). Both keep the activations in float32: the only rounding is the weights'.
+back exactly). Their kernels round the activations to 16-bit integers per group of 32 (by the
+group's largest value: an error of at most 1.5e-5 of it, about 250 times finer than bfloat16)
+and multiply in integers, then scale in float32.
 """
 
 from __future__ import annotations

@@ -18,10 +18,15 @@ from typing import Protocol
 import torch
 
 from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from batchinfer.models.linear_kernels import BUCKET_NAMES
 from batchinfer.runner.attention import select_attention_backend
 from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 from batchinfer.runner.kv_cache import KVCacheSpec
-from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
+from batchinfer.runner.native_decode import (
+    NativeDecoder,
+    choose_buckets,
+    release_native_forms,
+)
 from batchinfer.runner.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,7 @@ class ModelRunner:
                     self.native_decode = decoder
                 why = "slower than the torch model at every row bucket"
             if self.native_decode is None:
+                release_native_forms(model, (False,) * len(BUCKET_NAMES))
                 logger.info("native decode steps not used: %s", why)
             else:
                 logger.info("native decode steps: %s", self.native_decode.describe())

@@ -15,8 +15,9 @@ restart measures nothing). Every linear needs a native form at that bucket: its 
 kernel's, or the `q4_native` / `q8_native` form kept for decode steps. Other steps (prefill
 chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
 a float32 cache in the block-rows layout (`cpu_sparse`, `gather`); `NativeDecoder.build` says
-why not otherwise. The two paths compute the same function: tests/test_native_decode.py
-checks their logits against each other.
+why not otherwise. The two paths compute the same function (the same weights; the native
+kernels round activations to 16 bits per group of 32): tests/test_native.py checks their
+logits against each other.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class NativeDecoder:
         if not isinstance(model.lm_head, KernelLinear) or len(linears) != (
                 4 * model.spec.num_layers + 1):
             return None, "the linears have no chosen kernels"
+        if model.lm_head.out_features != spec.vocab_size:
+            return None, "the LM head's outputs are not the vocabulary"
         buckets = tuple(all(linear.native[b] is not None for linear in linears)
                         for b in range(len(BUCKET_NAMES)))
         if not any(buckets):
@@ -102,9 +105,10 @@ class NativeDecoder:
         taken = self.bucket_names()
         return f"rows {', '.join(taken)}" if taken else "no row bucket"
 
-    def cache_key(self) -> str:
+    def cache_key(self, fits: tuple[bool, ...]) -> str:
         """What the native-vs-torch choice depends on: machine, torch, threads, the model's
-        shape, the cache's block size and every linear's kernels and native forms."""
+        shape, the cache's block size, every linear's kernels and native forms, and which
+        probes (`fits`) the cache can hold."""
         linears = [m for m in self.model.modules() if isinstance(m, KernelLinear)]
         facts = {
             "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
@@ -112,13 +116,17 @@ class NativeDecoder:
             "block_size": self.backend.block_size, "source": native.SOURCE.read_text(),
             "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
                                for m in linears}),
-            "probe": [PROBE_ROWS, PROBE_CONTEXT, PROBE_STEPS],
+            "probe": [PROBE_ROWS, PROBE_CONTEXT, PROBE_STEPS], "fits": list(fits),
         }
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
     def keep_buckets(self, buckets: tuple[bool, ...]) -> None:
-        """Take only these buckets' steps from now on."""
+        """Take only these buckets' steps from now on; the native forms made for the others
+        are freed."""
         self.buckets = tuple(a and b for a, b in zip(self.buckets, buckets, strict=True))
+        self._structs = [entry if on else None
+                         for entry, on in zip(self._structs, self.buckets, strict=True)]
+        release_native_forms(self.model, self.buckets)
 
     def _model_struct(self, bucket: int) -> tuple[native.Model, ctypes.Array[native.Layer]]:
         model, spec = self.model, self.model.spec
@@ -171,6 +179,14 @@ class NativeDecoder:
         return logits
 
 
+def release_native_forms(model: object, buckets: tuple[bool, ...]) -> None:
+    """Free the native forms of every linear of `model` but those of `buckets`."""
+    if isinstance(model, torch.nn.Module):
+        for module in model.modules():
+            if isinstance(module, KernelLinear):
+                module.keep_native(buckets)
+
+
 def _linear(linear: object, bucket: int) -> native.Linear:
     """The native form a linear's kernel reads at `bucket` (`build` checked it has one)."""
     assert isinstance(linear, KernelLinear)
@@ -186,9 +202,14 @@ def choose_buckets(decoder: NativeDecoder, torch_logits: Callable[[StepInputs], 
     or read from the cache folder where this machine measured the same setup. A bucket the
     cache cannot hold the probe of keeps the torch model. The dummy steps write K/V into
     blocks no sequence owns yet; every slot is written again before a real step reads it."""
+    block_size = decoder.backend.block_size
+    # The probe's new token sits at position `context`: inside the model's RoPE tables.
+    context = min(PROBE_CONTEXT, decoder.model.rope_cos.shape[0] - 1)
+    per_seq = -(-(context + 1) // block_size)
+    fits = tuple(rows * per_seq <= num_blocks for rows in PROBE_ROWS)
     path = None
     if cache_dir is not None:
-        path = cache_dir / "native-decode" / f"{decoder.cache_key()}.json"
+        path = cache_dir / "native-decode" / f"{decoder.cache_key(fits)}.json"
         try:
             stored = json.loads(path.read_text())["native"]
             if isinstance(stored, list) and len(stored) == len(BUCKET_NAMES):
@@ -196,17 +217,15 @@ def choose_buckets(decoder: NativeDecoder, torch_logits: Callable[[StepInputs], 
                              zip(stored, decoder.buckets, strict=True))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # not measured yet here, or unreadable: measure
-    block_size = decoder.backend.block_size
-    per_seq = -(-(PROBE_CONTEXT + 1) // block_size)
     chosen, seconds = [], {}
     for bucket, rows in enumerate(PROBE_ROWS):
-        if not decoder.buckets[bucket] or rows * per_seq > num_blocks:
+        if not decoder.buckets[bucket] or not fits[bucket]:
             chosen.append(False)
             continue
         params = SamplingParams(max_tokens=1, temperature=0)
-        sequences = [ScheduledSequence(f"probe-{i}", [1], PROBE_CONTEXT,
+        sequences = [ScheduledSequence(f"probe-{i}", [1], context,
                                        list(range(i * per_seq, (i + 1) * per_seq)), True,
-                                       params, PROBE_CONTEXT) for i in range(rows)]
+                                       params, context) for i in range(rows)]
         inputs = prepare_inputs(sequences, block_size, decoder.backend.device)
         ways = {"native": decoder.logits, "torch": torch_logits}
         times: dict[str, list[float]] = {name: [] for name in ways}
