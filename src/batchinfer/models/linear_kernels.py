@@ -476,6 +476,8 @@ def cache_key(shapes: Sequence[tuple[int, int]], names: Sequence[str], dtype: to
         "kernels": list(names), "shapes": list(shapes), "probe_rows": PROBE_ROWS,
         "method": "passes-v2",  # bump when measurement or kernels change
     }
+    if any(name in NATIVE_KERNELS for name in names):  # the native kernels' own code
+        facts["native"] = hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -578,8 +580,9 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
     name) or, with `auto`, the fastest measured here. With quantized weights the sites named
     in `heads` (the LM head) are not 4-bit: their kernels are measured among the float ones and
     `HEAD_KERNELS` (8-bit groups), whatever `kernels` says. `native_decode`: every site of
-    q4 weights also gets its `q4_native` form, and an `extra` head (a tied one, whose float
-    weight stays anyway) its float32 one, for native decode steps (`KernelLinear.native`).
+    q4 weights also gets its `q4_native` form, every float layer keeps its float32 weight, and
+    an `extra` head (a tied one, whose float weight stays anyway) its float32 form, for native
+    decode steps (`KernelLinear.native`).
     `ValueError` names the knob when the kernel cannot run this weight form or device."""
     names = kernel_names(quantization, kernels, device, dtype, allow_packed)
     extra = extra or {}
@@ -609,7 +612,10 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
             return None
         if name in heads:  # never a copy of a float weight that would not stay anyway
             return "dense" if name in extra else None
-        return "q4_native" if quantization == "q4" else None
+        # The layers' float weights stay wherever dense won at some bucket (at one row it
+        # usually does); where packed won everywhere, they stay until the start-up choice
+        # of native decode steps drops them (`KernelLinear.keep_native`).
+        return {"q4": "q4_native", "none": "dense"}.get(quantization)
 
     for group_names, group in groups:
         if not group:
