@@ -64,9 +64,10 @@ def perplexity(llm: LLM, window: int) -> float:
     return math.exp(total / count)
 
 
-def speed(llm: LLM, repeats: int) -> tuple[float, float]:
-    """Median seconds to the first token of a 512-token prompt, and decode tokens/s after it."""
-    prompt = [(37 * i + 11) % 40000 + 100 for i in range(512)]
+def speed(llm: LLM, repeats: int, prompt_len: int = 512) -> tuple[float, float]:
+    """Median seconds to the first token of a `prompt_len`-token prompt, and decode tokens/s
+    of the 128 tokens after it."""
+    prompt = [(37 * i + 11) % 40000 + 100 for i in range(prompt_len)]
     first, decode = [], []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -23,6 +23,9 @@ is split by wrapping, for the run only:
              writes (`paged_rows.write_kv`). With the `cpu_sparse` backend (the default for CPU
              float32) decodes read the cache in place, without a gather, so their cache reads
              count as attention;
+- native:    a whole decode step run as one native call (`--native-decode`, on by default
+             where the start-up measurement took it for the step's row count): the model,
+             attention and LM head together;
 - other:     the rest of the step (embedding, norms, RoPE, activations, residuals, sampling,
              input preparation, scheduler).
 Each bucket is self time: a wrapped call nested in another is subtracted from its parent.
@@ -49,8 +52,9 @@ from batchinfer.engine.outputs import RequestOutputKind
 from batchinfer.models.linear_kernels import KernelLinear
 from batchinfer.runner.backends import gather, paged_rows
 from batchinfer.runner.backends.sdpa import SdpaBackend
+from batchinfer.runner.native_decode import NativeDecoder
 
-BUCKETS = ("linear", "attention", "gather", "other")
+BUCKETS = ("linear", "attention", "gather", "native", "other")
 # (owner, attribute, bucket): the callables timed, patched for the duration of the run.
 _TIMED: list[tuple[Any, str, str]] = [
     (F, "linear", "linear"),
@@ -60,6 +64,7 @@ _TIMED: list[tuple[Any, str, str]] = [
     (paged_rows, "gather_blocks", "gather"),
     (gather, "gather_blocks", "gather"),  # imported by name there
     (paged_rows, "write_kv", "gather"),
+    (NativeDecoder, "logits", "native"),
 ]
 
 
@@ -201,11 +206,13 @@ def report(records: list[StepRecord]) -> None:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a one-row forward pass reads in full: each linear's weight in the form its
-    one-row kernel reads (`KernelLinear.read_bytes`: int8, 4-bit, dense or packed), the other
+    one-row kernel reads (`KernelLinear.read_bytes`: int8, 4-bit, dense or packed; the native
+    form where one-row decode steps run natively), the other
     parameters and buffers (norms), less the embedding table (one row per token) unless the LM
     head reads it (tied), and the RoPE tables (one row per position)."""
     linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
-    total = sum(m.read_bytes[0] for m in linears)
+    total = sum(m.read_bytes[0] if m.native[0] is None else m.native[0].nbytes
+                for m in linears)
     skip = {id(model.rope_cos), id(model.rope_sin)}
     if getattr(model, "lm_head", None) is not None:
         skip.add(id(model.embed_tokens.weight))
@@ -255,6 +262,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", help="the engine's --quantization")
     parser.add_argument("--attention-backend", default="auto",
                         help="the engine's --attention-backend")
+    parser.add_argument("--native-decode", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's --native-decode")
     parser.add_argument("--ops", action="store_true",
                         help="also print torch.profiler's top ops of one step of each type")
     args = parser.parse_args()
@@ -262,6 +271,7 @@ def main() -> None:
         model="default", dtype="float32", num_threads=args.threads,
         max_num_seqs=max(64, args.num_prompts), linear_kernels=args.linear_kernels,
         quantization=args.quantization, attention_backend=args.attention_backend,
+        native_decode=args.native_decode,
     )
     # Warm-up: first-call allocations and lazy initialisation stay out of the figures.
     engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, ignore_eos=True))

@@ -9,10 +9,11 @@ that the `llama-cpp-python` sdist on PyPI vendors (`--llama-version`), with `GGM
 `--llama-dir` (default `$BATCHINFER_CACHE/llama.cpp`) the first time: about 15 minutes on 2
 cores, once per machine.
 
-One sequence: `llama-bench -p 512 -n 128` (prefill of 512 tokens, decode of 128, 3 runs) on the
-embedded SmolLM2-135M GGUF (Q4_1) next to `LLM.generate` with each `--weights` form: time to the
-first token of a 512-token prompt, and decode tokens per second after it (medians of 3, prefix
-caching off).
+One sequence: `llama-bench -p 512 -n 128 -d 0,512` (prefill of 512 tokens; decode of 128 from
+an empty cache and after 512 tokens) on the embedded SmolLM2-135M GGUF (Q4_1) next to
+`LLM.generate` with each `--weights` form: time to the first token of a 512-token prompt, and
+decode tokens per second after a 1-token and after the 512-token prompt; `--repeats` rounds
+alternating between the two, medians (prefix caching off).
 
 Serving: `llama-server -np 32` and `batchinfer serve` (the last `--weights` form), each measured
 by `batchinfer bench serve` with the same seed and workload (prompts `--input-len`, outputs
@@ -173,15 +174,42 @@ def openvino_models(python: Path, root: Path, gguf: Path, formats: list[str]) ->
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
-    """llama-bench's pp512 and tg128 tokens per second (mean of 3 runs)."""
+    """One run of llama-bench: pp512, tg128 (from an empty cache) and tg128 @ d512 (after 512
+    tokens in the cache, as ours is measured) tokens per second."""
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "512", "-n",
-                          "128", "-t", str(threads), "-r", "3", "-o", "json"],
+                          "128", "-d", "0,512", "-t", str(threads), "-r", "1", "-o", "json"],
                          check=True, capture_output=True, text=True).stdout
     figures = {}
     for test in json.loads(out):
         key = "pp512" if test["n_prompt"] else "tg128"
+        if test.get("n_depth"):
+            key += f"@d{test['n_depth']}"
         figures[key] = float(test["avg_ts"])
     return figures
+
+
+def one_sequence(args: argparse.Namespace, bin_dir: Path, gguf: Path, weights: list[str]
+                 ) -> dict[str, dict[str, float]]:
+    """llama-bench and ours, round robin for `--repeats` rounds (a load that comes and goes
+    falls on both); medians. Ours: time to the first token of a 512-token prompt (pp512),
+    decode of 128 tokens after a 1-token prompt (tg128) and after the 512-token one
+    (tg128@d512)."""
+    llms = {form: LLM("default", dtype="float32", num_threads=args.threads, quantization=form,
+                      enable_prefix_caching=False, kv_cache_memory="512M") for form in weights}
+    rounds: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.repeats):
+        for key, value in llama_bench(bin_dir, gguf, args.threads).items():
+            rounds.setdefault("llama.cpp", {}).setdefault(key, []).append(value)
+        for form, llm in llms.items():
+            ttft_s, deep = speed(llm, 1)
+            _, shallow = speed(llm, 1, prompt_len=1)
+            for key, value in (("pp512", 512 / ttft_s), ("tg128", shallow),
+                               ("tg128@d512", deep)):
+                rounds.setdefault(f"batchinfer {form}", {}).setdefault(key, []).append(value)
+        print(f"round: { {name: {k: v[-1] for k, v in r.items()} for name, r in rounds.items()} }",
+              flush=True)
+    return {name: {key: statistics.median(values) for key, values in figures.items()}
+            for name, figures in rounds.items()}
 
 
 def serve_llama(bin_dir: Path, gguf: Path, threads: int, bench: BenchConfig, log: Path
@@ -213,15 +241,7 @@ def llama_half(args: argparse.Namespace, weights: list[str], result_dir: Path) -
     bin_dir = build_llama_cpp(Path(args.llama_dir), args.llama_version)
     gguf = default_gguf_path()
 
-    one = {"llama.cpp": llama_bench(bin_dir, gguf, args.threads)}
-    print(f"llama.cpp: {one['llama.cpp']}", flush=True)
-    for form in weights:
-        llm = LLM("default", dtype="float32", num_threads=args.threads, quantization=form,
-                  enable_prefix_caching=False, kv_cache_memory="512M")
-        ttft_s, decode = speed(llm, args.repeats)
-        one[f"batchinfer {form}"] = {"pp512": 512 / ttft_s, "tg128": decode}
-        print(f"batchinfer {form}: {one[f'batchinfer {form}']}", flush=True)
-        del llm
+    one = one_sequence(args, bin_dir, gguf, weights)
 
     served = weights[-1]
     serving: dict[str, dict[int, dict[str, float]]] = {"llama.cpp": {}, "batchinfer": {}}
@@ -250,11 +270,15 @@ def llama_half(args: argparse.Namespace, weights: list[str], result_dir: Path) -
             print(f"{name} c={concurrency}: {serving[name][concurrency]}", flush=True)
 
     print(f"\nCPU: {cpu_model()}; {args.threads} threads; GGUF {gguf.name}")
-    print(f"{'one sequence':24}{'prefill 512 tok/s':>20}{'decode tok/s':>14}{'vs llama.cpp':>14}")
+    print(f"one sequence, medians of {args.repeats} rounds: prefill 512 tokens; decode 128 "
+          "from an empty cache (tg128) and after 512 tokens (tg128@d512)")
+    print(f"{'':24}{'pp512 tok/s':>12}{'ratio':>7}{'tg128 tok/s':>13}{'ratio':>7}"
+          f"{'tg128@d512':>12}{'ratio':>7}")
     base = one["llama.cpp"]
     for name, figures in one.items():
-        print(f"{name:24}{figures['pp512']:20.1f}{figures['tg128']:14.1f}"
-              f"{figures['tg128'] / base['tg128']:13.2f}x")
+        print(f"{name:24}" + "".join(
+            f"{figures[key]:{width}.1f}{figures[key] / base[key]:6.2f}x"
+            for key, width in (("pp512", 12), ("tg128", 13), ("tg128@d512", 12))))
     print(f"\n{'serving (' + served + ')':24}{'concurrency':>12}{'llama.cpp tok/s':>17}"
           f"{'batchinfer tok/s':>18}{'ratio':>8}{'TTFT p99 (s) l / b':>22}")
     for concurrency, ours in serving["batchinfer"].items():

@@ -20,6 +20,7 @@ from batchinfer.models.linear_kernels import (
     candidates,
     dequantize_q4,
     kernel_names,
+    quantize_int8,
     quantize_q4,
 )
 from batchinfer.models.loader import load_model
@@ -53,19 +54,23 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (32, 96), (16, 32)])
 def test_native_kernels_compute_the_product_of_their_weights(lib, n, k):
-    """Every row count (row tiles of 4 and a remainder), with and without a bias: q4 and q8
-    against F.linear on the weights they hold, float32 against the weight itself. The
+    """Every row count (row tiles of 4 and a remainder), with and without a bias: q4, q8 and
+    per-channel int8 against F.linear on the weights they hold, float32 against the weight
+    itself. The
     quantized ones round each input group of 32 to 16-bit integers: within 1e-4."""
     for seed, with_bias in ((0, True), (1, False)):
         w, b = weights(n, k, seed, with_bias)
         forms = WeightForms(w, b)
         q4 = dequantize_q4(*quantize_q4(w))
         q8 = dequantize_q8(*pack_q8(w))
+        q_int8, channel = quantize_int8(w)
+        int8 = q_int8.float() * channel[:, None]
         f32 = NativeLinear(lib, native.F32, n, k, (w,), b)
         for rows in (1, 2, 3, 4, 5, 9):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             assert relative_error(forms.kernel("q4_native")(x), F.linear(x, q4, b)) < 1e-4
             assert relative_error(forms.kernel("q8_native")(x), F.linear(x, q8, b)) < 1e-4
+            assert relative_error(forms.kernel("int8_native")(x), F.linear(x, int8, b)) < 1e-4
             assert relative_error(f32(x), F.linear(x, w, b)) < 1e-5
         # inputs of any leading shape and dtype come back in that shape and dtype
         x3 = torch.randn(2, 3, k, dtype=torch.float64)

@@ -21,8 +21,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "q4")
-LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "q4", "q4_dense",
-                  "q4_native")
+LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "int8_native", "q4",
+                  "q4_dense", "q4_native")
 GiB = 1 << 30
 BYTE_SIZES = ("kv_cache_memory", "swap_space")  # fields that accept "2G", "512M"
 
@@ -104,7 +104,8 @@ class EngineConfig:
     linear_kernels: str = field(default="auto", metadata=_help(
         "auto (per weight shape and row count, the fastest kernel measured at start-up on "
         "this machine, cached), or one kernel for all: dense, packed (CPU float32), int8, "
-        "int8_dense (quantization int8), q4, q4_dense, q4_native (quantization q4)"))
+        "int8_dense, int8_native (quantization int8), q4, q4_dense, q4_native (quantization "
+        "q4)"))
     native_decode: bool = field(default=True, metadata=_help(
         "CPU float32: run decode steps (every sequence one token) as one native call per step "
         "where every linear's chosen kernel has a native form (off: always the torch model)"))

@@ -26,7 +26,9 @@ Candidates, by weight form (`quantization`):
   4-bit weights with the activations rounded to 16 bits per group of 32, an error of at most
   1.5e-5 of the group's largest value);
 - the LM head of a quantized model: its float kernels, or `q8_native` (int8 in groups of 32,
-  GGUF Q8_0's grid, a quarter of float32's bytes).
+  GGUF Q8_0's grid, a quarter of float32's bytes);
+- `int8` weights also run by `int8_native`, the native 8-bit kernel with each output's one
+  scale.
 
 `KernelLinear` holds only the weight forms its chosen kernels read, and dispatches on the
 number of rows. Every kernel computes the same product as `F.linear` on the same (quantized)
@@ -55,24 +57,30 @@ from torch import nn
 from batchinfer import native
 from batchinfer.models.hardware import cpu_model
 from batchinfer.models.prepack import PackedLinear, prepack_supported
-from batchinfer.native.linear import NativeLinear, check_shape, pack_q4, pack_q8
+from batchinfer.native.linear import (
+    NativeLinear,
+    check_shape,
+    pack_q4,
+    pack_q8,
+    pack_q8_groups,
+)
 
 logger = logging.getLogger(__name__)
 
 KERNELS_BY_QUANTIZATION: dict[str, tuple[str, ...]] = {
     "none": ("dense", "packed"),
-    "int8": ("int8", "int8_bf16", "int8_dense"),
+    "int8": ("int8", "int8_bf16", "int8_dense", "int8_native"),
     "q4": ("q4", "q4_bf16", "q4_dense", "q4_native"),
 }
 # The LM head of a quantized model: its float kernels, or 8-bit groups of 32 (`q8_native`).
 HEAD_KERNELS = ("q8_native",)
 # Kernels of `native/cpu_kernels.c` (CPU, float32 activations, built for this machine).
-NATIVE_KERNELS = ("q4_native", "q8_native")
+NATIVE_KERNELS = ("q4_native", "q8_native", "int8_native")
 # A kernel that cannot take one weight (a shape its packing refuses) leaves it to this one.
 # `dense` (the float weights, unquantized) takes every weight: a shape q4 cannot group in 32s.
 FALLBACK = {"packed": "dense", "int8": "int8_dense", "int8_bf16": "int8_dense",
             "int8_dense": "dense", "q4": "q4_dense", "q4_bf16": "q4_dense", "q4_dense": "dense",
-            "q4_native": "q4_dense", "q8_native": "dense"}
+            "q4_native": "q4_dense", "q8_native": "dense", "int8_native": "int8_dense"}
 # torch's bfloat16 int8 kernel reads past the end of rows of other lengths (wrong values, or
 # a crash): it is offered only where the input size is a multiple of this.
 INT8_BF16_K_MULTIPLE = 32
@@ -235,6 +243,14 @@ class WeightForms:
                 scale, offset = q4_affine(pairs)
                 tensors: tuple[torch.Tensor, ...] = pack_q4(q, scale, offset)
                 kind = native.Q4
+            elif name == "int8_native":  # the int8 weights as they are, one scale per output
+                if self._int8 is None:
+                    self._int8 = quantize_int8(weight)
+                q8, channel = self._int8
+                groups = k // native.GROUP
+                tensors = pack_q8_groups(q8.view(n, groups, native.GROUP),
+                                         channel.float()[:, None].expand(n, groups))
+                kind = native.Q8
             else:
                 tensors, kind = pack_q8(weight), native.Q8
             self._native[name] = NativeLinear(lib, kind, n, k, tensors, self.bias)
@@ -615,7 +631,7 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
         # The layers' float weights stay wherever dense won at some bucket (at one row it
         # usually does); where packed won everywhere, they stay until the start-up choice
         # of native decode steps drops them (`KernelLinear.keep_native`).
-        return {"q4": "q4_native", "none": "dense"}.get(quantization)
+        return {"q4": "q4_native", "int8": "int8_native", "none": "dense"}.get(quantization)
 
     for group_names, group in groups:
         if not group:

@@ -78,11 +78,16 @@ def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 in groups of 32 (scale = the group's largest |w| / 127) in the q8
     layout: bytes `[n/16, k/32, 16, 32]` (chunk p, byte 2j+e: q[j][2p+e]) and scales
     `[n/16, k/32, 16]`."""
-    n, k = weight.shape
-    check_shape(n, k, "q8")
-    tiles, groups = n // native.TILE, k // native.GROUP
-    q, scale = quantize_q8(weight)
-    by_group = q.view(tiles, native.TILE, groups, native.GROUP).transpose(1, 2)
+    return pack_q8_groups(*quantize_q8(weight))
+
+
+def pack_q8_groups(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 `[n, k/32, 32]` and per-group scales `[n, k/32]` in the q8 layout. Per-channel
+    int8 (one scale per output) is the case of every group of an output sharing its scale."""
+    n, groups = scale.shape
+    check_shape(n, groups * native.GROUP, "q8")
+    tiles = n // native.TILE
+    by_group = q.reshape(tiles, native.TILE, groups, native.GROUP).transpose(1, 2)
     packed = by_group.reshape(tiles, groups, native.TILE, 16, 2).permute(0, 1, 3, 2, 4)
     return packed.reshape(tiles, groups, 16, 32).contiguous(), _by_tile(scale, n, groups)
 

@@ -1,0 +1,81 @@
+"""A decode step by the torch model against the same step in one native call, on one cache.
+
+    .venv/bin/python benchmarks/native_decode.py                      # q4 and none, 1-32 rows
+    .venv/bin/python benchmarks/native_decode.py --weights q4 --rows 1,8 --context 512
+
+Loads the embedded model per `--weights` form (kernels `auto`, as the engine chooses them),
+then for each row count builds one decode step of that many sequences at `--context` tokens
+(`prepare_inputs`, as the runner does) and times `NativeDecoder.logits` and the runner's torch
+path on it alternately, `--repeats` times each: median milliseconds per step. A row count
+whose bucket has no native form for every linear shows the torch figure only; the last column
+says which way the engine runs that bucket (its start-up measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from batchinfer import LLM, SamplingParams
+from batchinfer.core.outputs import ScheduledSequence
+from batchinfer.models.hardware import cpu_model
+from batchinfer.models.linear_kernels import BUCKET_NAMES, bucket_of
+from batchinfer.runner.input_batch import prepare_inputs
+from batchinfer.runner.native_decode import NativeDecoder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default="q4,none", help="--quantization forms")
+    parser.add_argument("--rows", default="1,4,16,32", help="sequences per step")
+    parser.add_argument("--context", type=int, default=256, help="tokens in each context")
+    parser.add_argument("--repeats", type=int, default=8)
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"contexts of {args.context} tokens; median of {args.repeats} steps")
+    print(f"{'weights':8}{'rows':>6}{'torch ms':>10}{'native ms':>11}{'speed-up':>10}"
+          f"{'engine runs':>13}")
+    for form in args.weights.split(","):
+        llm = LLM("default", dtype="float32", quantization=form, enable_prefix_caching=False,
+                  kv_cache_memory="1G")
+        runner = llm.engine.worker.runner
+        taken = runner.native_decode.bucket_names() if runner.native_decode else []
+        # A decoder over every bucket that has native forms, whatever start-up chose.
+        decoder, why = NativeDecoder.build(llm.engine.worker.loaded.model, runner.attention)
+        block_size = llm.engine.config.block_size
+        per_seq = -(-(args.context + 1) // block_size)
+        for rows in rows_list:
+            params = SamplingParams(max_tokens=1)
+            inputs = prepare_inputs(
+                [ScheduledSequence(str(r), [1], args.context,
+                                   list(range(r * per_seq, (r + 1) * per_seq)), True, params,
+                                   args.context) for r in range(rows)],
+                block_size, torch.device("cpu"))
+            ways = {"torch": runner._torch_logits}
+            if decoder is not None and decoder.accepts(inputs):
+                ways["native"] = decoder.logits
+            times: dict[str, list[float]] = {name: [] for name in ways}
+            with torch.inference_mode():
+                for step in range(args.repeats + 1):
+                    for name, run in ways.items():
+                        start = time.perf_counter()
+                        run(inputs)
+                        if step:  # the first of each is a warm-up
+                            times[name].append(time.perf_counter() - start)
+            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            native = f"{ms['native']:11.1f}{ms['torch'] / ms['native']:9.2f}x" if (
+                "native" in ms) else f"{'-':>11}{'':>10}"
+            bucket = BUCKET_NAMES[bucket_of(rows)]
+            print(f"{form:8}{rows:6}{ms['torch']:10.1f}{native}"
+                  f"{'native' if bucket in taken else 'torch':>13}", flush=True)
+        if decoder is None:
+            print(f"{form}: no native decode steps ({why})")
+        del llm, decoder
+
+
+if __name__ == "__main__":
+    main()
