@@ -6,6 +6,7 @@ falls back to torch's kernels."""
 from __future__ import annotations
 
 import logging
+import platform
 import random
 
 import pytest
@@ -163,6 +164,10 @@ def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
         "q4-tied": ("q4", "q4_native", {"tie_word_embeddings": True}),
     }[case]
     loaded, runner = _llama(tmp_path, quantization, kernels, **overrides)
+    _compare_decode_steps(loaded, runner, 1e-3 if quantization == "q4" else 1e-5)
+
+
+def _compare_decode_steps(loaded, runner: ModelRunner, tolerance: float) -> None:
     decoder, why = NativeDecoder.build(loaded.model, runner.attention)
     assert decoder is not None, why
     assert decoder.buckets[0] and decoder.buckets[1]
@@ -183,8 +188,7 @@ def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
             got = decoder.logits(inputs)[inputs.logits_indices].clone()
             cache_after_native = runner.attention.kv_cache.clone()
             want = runner._torch_logits(inputs)
-            tolerance = 1e-3 if quantization == "q4" else 1e-5
-            assert relative_error(got, want) < tolerance, (case, step)
+            assert relative_error(got, want) < tolerance, step
             assert relative_error(cache_after_native, runner.attention.kv_cache) < tolerance
             for s, new in zip(members, scheduled, strict=True):
                 s["tokens"] = s["tokens"] + new.token_ids
@@ -288,3 +292,23 @@ def test_the_library_is_keyed_by_the_cpus_instruction_set(tmp_path):
     info.write_text("Features\t: fp asimd\n")
     assert native.cpu_features(info) == "asimd fp"
     assert native.cpu_features(tmp_path / "missing") == ""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds x86-64's portable variant")
+def test_the_portable_c_path_computes_the_same(lib, tmp_path, monkeypatch):
+    """The library as a machine without AVX-512 builds it (`-march=x86-64-v2`: the portable
+    C loops): the same products and the same decode steps."""
+    flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native.FLAGS)
+    portable = native.build_and_load(tmp_path / "portable", flags)
+    assert portable is not None and portable.bi_avx512() == 0
+    monkeypatch.setattr(native, "library", lambda cache_dir=None: portable)
+    w, b = weights(48, 64)
+    forms = WeightForms(w, b)
+    x = torch.randn(5, 64)
+    q_int8, channel = quantize_int8(w)
+    for name, held in (("q4_native", dequantize_q4(*quantize_q4(w))),
+                       ("q8_native", dequantize_q8(*pack_q8(w))),
+                       ("int8_native", q_int8.float() * channel[:, None])):
+        assert relative_error(forms.kernel(name)(x), F.linear(x, held, b)) < 1e-4, name
+    loaded, runner = _llama(tmp_path, "q4", "q4_native")
+    _compare_decode_steps(loaded, runner, 1e-3)

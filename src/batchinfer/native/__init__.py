@@ -99,11 +99,14 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     key = str(folder)
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build_and_load(folder)
+            _loaded[key] = build_and_load(folder)
         return _loaded[key]
 
 
-def _build_and_load(folder: Path) -> ctypes.CDLL | None:
+def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    """Build (unless built) and load the library with `flags` into `folder`; None, with the
+    reason logged, where that fails. `library()` uses `FLAGS`; tests also build the portable
+    C path of a machine without AVX-512 (`-march=x86-64-v2`)."""
     cc = compiler()
     if cc is None:
         logger.warning("no C compiler (cc, or $CC): the native CPU kernels are not used")
@@ -113,12 +116,12 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
                                  timeout=30).stdout
         digest = hashlib.sha256("\0".join(
             [SOURCE.read_text(), version, platform.machine(), cpu_model(), cpu_features(),
-             *FLAGS]).encode()).hexdigest()[:20]
+             *flags]).encode()).hexdigest()[:20]
         target = folder / f"cpu_kernels-{digest}.so"
         if not target.exists():
             folder.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".{os.getpid()}.tmp")  # one per builder: no torn files
-            result = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), *LIBS],
+            result = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), *LIBS],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 tmp.unlink(missing_ok=True)
