@@ -220,6 +220,8 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
         __m512 xv[ROW_TILE];
         for (int r = 0; r < rows; r++) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
         for (int j = 0; j < TILE_F32; j++) {
+            /* the next tile's line at the same place: float32 weights stream from memory */
+            _mm_prefetch((const char *)(w + (int64_t)(2 * TILE_F32 + j) * k + i), _MM_HINT_T0);
             const __m512 wv = _mm512_maskz_loadu_ps(m, w + (int64_t)j * k + i);
             for (int r = 0; r < rows; r++) acc[r][j] = _mm512_fmadd_ps(wv, xv[r], acc[r][j]);
         }
