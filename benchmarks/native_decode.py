@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/native_decode.py                      # q4 and none, 1-32 rows
     .venv/bin/python benchmarks/native_decode.py --weights q4 --rows 1,8 --context 512
 
-Loads the embedded model per `--weights` form (kernels `auto`, as the engine chooses them),
-then for each row count builds one decode step of that many sequences at `--context` tokens
-(`prepare_inputs`, as the runner does) and times `NativeDecoder.logits` and the runner's torch
-path on it alternately, `--repeats` times each: median milliseconds per step. A row count
-whose bucket has no native form for every linear shows the torch figure only; the last column
-says which way the engine runs that bucket (its start-up measurement).
+Loads the embedded model per `--weights` form (kernels `auto`, as the engine chooses them;
+the native forms of every row bucket kept, where the engine keeps only those its start-up
+measurement takes), then for each row count builds one decode step of that many sequences at
+`--context` tokens (`prepare_inputs`, as the runner does) and times `NativeDecoder.logits` and
+the runner's torch path on it alternately, `--repeats` times each: median milliseconds per
+step. A row count whose bucket has no native form for every linear shows the torch figure only;
+the last column says which way the engine's own start-up measurement chose for that bucket.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -23,8 +25,9 @@ from batchinfer import LLM, SamplingParams
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.models.hardware import cpu_model
 from batchinfer.models.linear_kernels import BUCKET_NAMES, bucket_of
+from batchinfer.runner import model_runner
 from batchinfer.runner.input_batch import prepare_inputs
-from batchinfer.runner.native_decode import NativeDecoder
+from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
 
 
 def main() -> None:
@@ -39,11 +42,23 @@ def main() -> None:
           f"contexts of {args.context} tokens; median of {args.repeats} steps")
     print(f"{'weights':8}{'rows':>6}{'torch ms':>10}{'native ms':>11}{'speed-up':>10}"
           f"{'engine runs':>13}")
+    chosen: list[tuple[bool, ...]] = []
+
+    def keep_every_bucket(decoder: NativeDecoder, *rest: Any) -> tuple[bool, ...]:
+        chosen.append(choose_buckets(decoder, *rest))  # what the engine would keep
+        return decoder.buckets
+
     for form in args.weights.split(","):
-        llm = LLM("default", dtype="float32", quantization=form, enable_prefix_caching=False,
-                  kv_cache_memory="1G")
+        chosen.clear()
+        model_runner.choose_buckets = keep_every_bucket
+        try:
+            llm = LLM("default", dtype="float32", quantization=form,
+                      enable_prefix_caching=False, kv_cache_memory="1G")
+        finally:
+            model_runner.choose_buckets = choose_buckets
         runner = llm.engine.worker.runner
-        taken = runner.native_decode.bucket_names() if runner.native_decode else []
+        taken = [name for name, on in zip(BUCKET_NAMES, chosen[0], strict=True) if on] if (
+            chosen) else []
         # A decoder over every bucket that has native forms, whatever start-up chose.
         decoder, why = NativeDecoder.build(llm.engine.worker.loaded.model, runner.attention)
         block_size = llm.engine.config.block_size

@@ -135,8 +135,10 @@ def test_a_missing_or_failing_compiler_leaves_the_torch_kernels(tmp_path, monkey
 def _llama(tmp_path, quantization: str, kernels: str, **overrides):
     folder = make_tiny_llama(tmp_path, **overrides)
     loaded = load_model(str(folder), torch.float32, CPU)
+    # No packed layout: an untied head's every measured kernel (dense, q8_native) then has a
+    # native form, so every bucket can run natively whatever the measurement picked.
     loaded.model.choose_linear_kernels(quantization, kernels, CPU, torch.float32, None,
-                                       native_decode=True)
+                                       allow_packed=False, native_decode=True)
     runner = ModelRunner(loaded.model, loaded.spec, 160, BLOCK_SIZE, CPU, torch.float32, [2],
                          0)
     return loaded, runner
@@ -223,7 +225,7 @@ def test_the_native_or_torch_choice_is_measured_once_then_cached(lib, tmp_path):
         timed.append(inputs.attention.num_seqs)
         return runner._torch_logits(inputs)
 
-    # 160 blocks of 16: the 256-sequence probe (9 blocks each) does not fit: torch there
+    # 160 blocks of 16: the 64-sequence probe (9 blocks each) does not fit: torch there
     first = choose_buckets(decoder, torch_logits, 160, tmp_path / "cache")
     assert first[3] is False
     assert sorted(set(timed)) == [1, 8]  # 32 x 9 blocks do not fit either
@@ -245,8 +247,9 @@ def test_the_engine_decodes_the_same_tokens_natively(lib, tmp_path, monkeypatch)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = {}
     for on in (True, False):
+        # no packed layout: the untied head has a native form whatever it measured fastest
         llm = LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20, quantization="q4",
-                  linear_kernels="q4_native", native_decode=on)
+                  linear_kernels="q4_native", native_decode=on, prepack_weights=False)
         decoder = llm.engine.worker.runner.native_decode
         assert (decoder is not None and decoder.buckets[0]) if on else decoder is None
         single = llm.generate([prompts[0]], params, use_tqdm=False)

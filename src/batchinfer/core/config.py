@@ -107,8 +107,9 @@ class EngineConfig:
         "int8_dense, int8_native (quantization int8), q4, q4_dense, q4_native (quantization "
         "q4)"))
     native_decode: bool = field(default=True, metadata=_help(
-        "CPU float32: run decode steps (every sequence one token) as one native call per step "
-        "where every linear's chosen kernel has a native form (off: always the torch model)"))
+        "CPU float32: run decode steps (every sequence one token) as one native call per step, "
+        "at the row counts where that measured faster than the torch model at start-up "
+        "(cached; off: always the torch model)"))
     special_tokens_in_chat: bool = field(default=False, metadata=_help(
         "parse special-token text inside chat message content as special tokens (lets a user "
         "forge another role's turn; off: content is plain text)"))

@@ -32,8 +32,9 @@ Candidates, by weight form (`quantization`):
 
 `KernelLinear` holds only the weight forms its chosen kernels read, and dispatches on the
 number of rows. Every kernel computes the same product as `F.linear` on the same (quantized)
-weights, to float32 rounding, or bfloat16's for the `_bf16` ones
-(tests/test_linear_kernels.py).
+weights, to float32 rounding, or bfloat16's for the `_bf16` ones, or that of activations
+rounded to 16 bits per group of 32 for the `_native` ones (tests/test_linear_kernels.py,
+tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -628,9 +629,9 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
             return None
         if name in heads:  # never a copy of a float weight that would not stay anyway
             return "dense" if name in extra else None
-        # The layers' float weights stay wherever dense won at some bucket (at one row it
-        # usually does); where packed won everywhere, they stay until the start-up choice
-        # of native decode steps drops them (`KernelLinear.keep_native`).
+        # A float layer keeps its float32 weight for native decode steps even where packed
+        # won (then both forms are held), until the start-up choice of native steps drops it
+        # for the row buckets they do not take (`KernelLinear.keep_native`).
         return {"q4": "q4_native", "int8": "int8_native", "none": "dense"}.get(quantization)
 
     for group_names, group in groups:
@@ -641,7 +642,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
         del sites
         sources.append(plan.source)
         # One at a time, by name: a dense weight no kernel reads is freed as soon as its
-        # replacement exists, so peak memory stays near one model's weights.
+        # replacement exists, so peak memory stays near one model's weights (plus, with
+        # `native_decode`, the decode forms above until the runner keeps or drops them).
         for name in group:
             weight, bias = weight_of(name)
             parent_name, _, attr = name.rpartition(".")

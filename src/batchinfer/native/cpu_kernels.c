@@ -90,6 +90,9 @@ typedef struct {
     float *sum;   /* [rows][k / 32] */
 } bi_input;
 
+/* A group whose largest |x| is below this is taken as zeros (32767 / top would overflow). */
+#define TINY_GROUP 1e-30f
+
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
 static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
 #if BI_AVX512
@@ -98,7 +101,7 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
         const __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
         const float top = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        const __m512 inv = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+        const __m512 inv = _mm512_set1_ps(top > TINY_GROUP ? 32767.f / top : 0.f);
         /* round to nearest (the default mode), then narrow with saturation */
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
         const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
@@ -117,7 +120,7 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
             top = a > top ? a : top;
             total += v[i];
         }
-        const float s = top / 32767.f, inv = top > 0.f ? 32767.f / top : 0.f;
+        const float s = top / 32767.f, inv = top > TINY_GROUP ? 32767.f / top : 0.f;
         for (int i = 0; i < GROUP; i++) q[g * GROUP + i] = (int16_t)lrintf(v[i] * inv);
         scale[g] = s;
         sum[g] = total;
@@ -212,6 +215,8 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
          float *y, int64_t ldy, int accumulate) {
     const int k = l->k;
     const float *w = (const float *)l->weight + (int64_t)tile * TILE_F32 * k;
+    /* float32 weights stream from memory: fetch the tile two ahead (inside the weight) */
+    const float *ahead = tile + 2 < l->n / TILE_F32 ? w + (int64_t)2 * TILE_F32 * k : w;
     __m512 acc[ROW_TILE][TILE_F32];
     for (int r = 0; r < ROW_TILE; r++)
         for (int j = 0; j < TILE_F32; j++) acc[r][j] = _mm512_setzero_ps();
@@ -220,8 +225,7 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
         __m512 xv[ROW_TILE];
         for (int r = 0; r < rows; r++) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
         for (int j = 0; j < TILE_F32; j++) {
-            /* the next tile's line at the same place: float32 weights stream from memory */
-            _mm_prefetch((const char *)(w + (int64_t)(2 * TILE_F32 + j) * k + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + (int64_t)j * k + i), _MM_HINT_T0);
             const __m512 wv = _mm512_maskz_loadu_ps(m, w + (int64_t)j * k + i);
             for (int r = 0; r < rows; r++) acc[r][j] = _mm512_fmadd_ps(wv, xv[r], acc[r][j]);
         }
@@ -453,9 +457,6 @@ static void block_values_any(const float *p, const float *values, int n, int per
 }
 
 #if BI_AVX512
-/* The same for a head size D known at compile time (a multiple of 16): four keys at a time
- * (four independent chains of multiply-adds), and each output held in registers across the
- * block's values instead of stored and reloaded per value. */
 /* Lane t of the result: the sum of a[t]'s 16 lanes (16 horizontal sums in 45 instructions,
  * where one at a time takes about 8 each). */
 static inline __m512 sum_lanes16(const __m512 a[16]) {

@@ -12,8 +12,9 @@ It takes a step when every sequence in it brings one token (decodes, sorted firs
 step measured faster than the torch one at start-up (`choose_buckets`: a few dummy decode
 steps each way, at the bucket's probe rows; the answer is cached like the kernel choice, so a
 restart measures nothing). Every linear needs a native form at that bucket: its chosen
-kernel's, or the `q4_native` / `q8_native` form kept for decode steps. Other steps (prefill
-chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
+kernel's, or one kept for decode steps that reads the same weights (`q4_native` beside torch's
+4-bit kernels, `int8_native` beside its int8 ones, the float32 weight beside `packed`). Other
+steps (prefill chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
 a float32 cache in the block-rows layout (`cpu_sparse`, `gather`); `NativeDecoder.build` says
 why not otherwise. The two paths compute the same function (the same weights; the native
 kernels round activations to 16 bits per group of 32): tests/test_native.py checks their
@@ -40,13 +41,17 @@ from batchinfer import native
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.hardware import cpu_model
-from batchinfer.models.linear_kernels import BUCKET_NAMES, PROBE_ROWS, KernelLinear, bucket_of
+from batchinfer.models.linear_kernels import BUCKET_NAMES, KernelLinear, bucket_of
 from batchinfer.models.llama import DecoderLayer, LlamaForCausalLM
+from batchinfer.native.linear import NativeLinear
 from batchinfer.runner.backends.paged_rows import PagedRowsBackend
 from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 
-# Start-up measurement: dummy decode steps of this many context tokens per sequence, a warm-up
-# then this many timed steps each way, alternating (the median counts).
+# Start-up measurement: dummy decode steps of this many sequences per row bucket (the 33+
+# bucket at its low end: a 256-sequence torch step of a 135M model takes seconds, and start-up
+# would pay it eight times), of this many context tokens each, a warm-up then this many timed
+# steps each way, alternating (the median counts).
+PROBE_ROWS = (1, 8, 32, 64)
 PROBE_CONTEXT = 128
 PROBE_STEPS = 3
 
@@ -62,8 +67,11 @@ class NativeDecoder:
         self.model = model
         self.backend = backend
         self.buckets = buckets  # per row bucket: whether its steps run here
-        # Per bucket, the model as `bi_decode` reads it, and the layer array it points into.
-        self._structs: list[tuple[native.Model, ctypes.Array[native.Layer]] | None] = [
+        # Per bucket, the model as `bi_decode` reads it, the layer array it points into and
+        # the native forms whose tensors it points at (held here, whatever frees them
+        # elsewhere).
+        self._structs: list[tuple[native.Model, ctypes.Array[native.Layer],
+                                  list[NativeLinear]] | None] = [
             self._model_struct(b) if on else None for b, on in enumerate(buckets)]
         self._work = torch.empty(0)
         self._logits = torch.empty(0)
@@ -128,24 +136,34 @@ class NativeDecoder:
                          for entry, on in zip(self._structs, self.buckets, strict=True)]
         release_native_forms(self.model, self.buckets)
 
-    def _model_struct(self, bucket: int) -> tuple[native.Model, ctypes.Array[native.Layer]]:
+    def _model_struct(self, bucket: int) -> tuple[native.Model, ctypes.Array[native.Layer],
+                                                  list[NativeLinear]]:
         model, spec = self.model, self.model.spec
         layers = (native.Layer * spec.num_layers)()
+        forms: list[NativeLinear] = []
+
+        def _linear(linear: object) -> native.Linear:
+            assert isinstance(linear, KernelLinear)
+            form = linear.native[bucket]
+            assert form is not None  # `build` checked every linear has one
+            forms.append(form)
+            return form.struct
+
         for i, layer in enumerate(model.layers):
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             layers[i] = native.Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
-                *(_linear(linear, bucket) for linear in (
+                *(_linear(linear) for linear in (
                     attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
         struct = native.Model(
             spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.intermediate_size, spec.vocab_size, self.backend.block_size,
             spec.rms_norm_eps, 0.0, model.embed_tokens.weight.data_ptr(),
             model.norm.weight.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
-            layers, _linear(model.lm_head, bucket), 0, 0)
-        return struct, layers
+            layers, _linear(model.lm_head), 0, 0)
+        return struct, layers, forms
 
     def accepts(self, inputs: StepInputs) -> bool:
         metadata = inputs.attention
@@ -185,14 +203,6 @@ def release_native_forms(model: object, buckets: tuple[bool, ...]) -> None:
         for module in model.modules():
             if isinstance(module, KernelLinear):
                 module.keep_native(buckets)
-
-
-def _linear(linear: object, bucket: int) -> native.Linear:
-    """The native form a linear's kernel reads at `bucket` (`build` checked it has one)."""
-    assert isinstance(linear, KernelLinear)
-    form = linear.native[bucket]
-    assert form is not None
-    return form.struct
 
 
 def choose_buckets(decoder: NativeDecoder, torch_logits: Callable[[StepInputs], torch.Tensor],
