@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from batchinfer import LLM, SamplingParams, native
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
+from batchinfer.models.hardware import cpu_flags
 from batchinfer.models.linear_kernels import (
     KernelLinear,
     WeightForms,
@@ -291,10 +292,10 @@ def test_decode_forms_hold_the_weights_the_chosen_kernels_read(lib):
 def test_the_library_is_keyed_by_the_cpus_instruction_set(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: sse avx2 avx512f\nmodel name\t: X\n")
-    assert native.cpu_features(info) == "avx2 avx512f sse"
+    assert cpu_flags(info) == {"avx2", "avx512f", "sse"}
     info.write_text("Features\t: fp asimd\n")
-    assert native.cpu_features(info) == "asimd fp"
-    assert native.cpu_features(tmp_path / "missing") == ""
+    assert cpu_flags(info) == {"asimd", "fp"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds x86-64's portable variant")

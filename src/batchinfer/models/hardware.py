@@ -60,14 +60,21 @@ def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         return False
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's instruction-set flags (`flags` on x86, `Features` on Arm, from `cpuinfo`);
+    empty where they cannot be read."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return bool(set(line.partition(":")[2].split()) & {"avx512_bf16", "amx_bf16"})
-    return False
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def cpu_model() -> str:

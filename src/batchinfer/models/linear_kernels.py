@@ -494,7 +494,7 @@ def cache_key(shapes: Sequence[tuple[int, int]], names: Sequence[str], dtype: to
         "method": "passes-v2",  # bump when measurement or kernels change
     }
     if any(name in NATIVE_KERNELS for name in names):  # the native kernels' own code
-        facts["native"] = hashlib.sha256(native.SOURCE.read_bytes()).hexdigest()
+        facts["native"] = native.source_digest()
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 

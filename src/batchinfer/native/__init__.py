@@ -15,6 +15,7 @@ loaded, so both share one thread pool instead of two competing for the cores.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -24,7 +25,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from batchinfer.models.hardware import cpu_model
+from batchinfer.models.hardware import cpu_flags, cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +76,10 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's instruction-set flags (`flags` on x86, `Features` on Arm): a library built
-    for `-march=native` is reused only where the same instructions exist (a VM may hide some
-    behind the same model name). Empty where they cannot be read."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return " ".join(sorted(value.split()))
-    except OSError:
-        pass
-    return ""
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' source: cached choices measured with other code are stale."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
 
 
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
@@ -115,8 +108,8 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
         digest = hashlib.sha256("\0".join(
-            [SOURCE.read_text(), version, platform.machine(), cpu_model(), cpu_features(),
-             *flags]).encode()).hexdigest()[:20]
+            [source_digest(), version, platform.machine(), cpu_model(),
+             " ".join(sorted(cpu_flags())), *flags]).encode()).hexdigest()[:20]
         target = folder / f"cpu_kernels-{digest}.so"
         if not target.exists():
             folder.mkdir(parents=True, exist_ok=True)

@@ -90,14 +90,15 @@ class ModelRunner:
         self.native_decode: NativeDecoder | None = None
         if native_decode:
             decoder, why = NativeDecoder.build(model, self.attention)
-            if decoder is not None:
+            if decoder is None:
+                release_native_forms(model, (False,) * len(BUCKET_NAMES))
+            else:  # frees the forms of the buckets it does not keep
                 decoder.keep_buckets(choose_buckets(decoder, self._torch_logits, num_blocks,
                                                     cache_dir))
+                why = "slower than the torch model at every row bucket"
                 if any(decoder.buckets):
                     self.native_decode = decoder
-                why = "slower than the torch model at every row bucket"
             if self.native_decode is None:
-                release_native_forms(model, (False,) * len(BUCKET_NAMES))
                 logger.info("native decode steps not used: %s", why)
             else:
                 logger.info("native decode steps: %s", self.native_decode.describe())

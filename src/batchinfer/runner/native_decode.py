@@ -121,7 +121,7 @@ class NativeDecoder:
         facts = {
             "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "spec": [str(v) for v in astuple(self.model.spec)],
-            "block_size": self.backend.block_size, "source": native.SOURCE.read_text(),
+            "block_size": self.backend.block_size, "source": native.source_digest(),
             "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
                                for m in linears}),
             "probe": [PROBE_ROWS, PROBE_CONTEXT, PROBE_STEPS], "fits": list(fits),
