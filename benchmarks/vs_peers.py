@@ -25,7 +25,7 @@ made once with the releases pinned in `OPENVINO_PINS` (torch held at the CPU bui
 constraints file); transformers reads the GGUF into a float32 Hugging Face folder, which
 `optimum-cli export openvino` turns into one model per weight format (fp32, int8, and int4 with
 `--group-size 64`: 576 is no multiple of 128), all once (a few minutes). Each of ours `none`,
-`int8`, `q4` meets fp32, int8, int4: the `--burst` requests (`bench serve`'s synthetic prompts
+`int8` (or `q8`), `q4` meets fp32, int8, int4: the `--burst` requests (`bench serve`'s synthetic prompts
 for `--seed`, `--input-len`, `--output-len`, as token ids) all at once through one
 `LLM.generate` and through `ContinuousBatchingPipeline` (`benchmarks/openvino_runner.py`, run by
 that venv's python), useful output tokens per second; then the one sequence above through both.
@@ -76,7 +76,7 @@ OPENVINO_PINS = ("openvino-genai==2026.4.1.0", "openvino-tokenizers==2026.4.1.0"
                  "openvino==2026.4.1", "optimum-intel[openvino]==2.2.0", "optimum==2.3.0",
                  "nncf==3.4.0", "transformers==5.5.4", "gguf==0.19.0", "accelerate==1.15.0")
 # batchinfer's --quantization form -> the optimum-cli --weight-format it is compared with.
-OPENVINO_FORMS = {"none": "fp32", "int8": "int8", "q4": "int4"}
+OPENVINO_FORMS = {"none": "fp32", "int8": "int8", "q8": "int8", "q4": "int4"}
 
 
 def build_llama_cpp(dest: Path, version: str) -> Path:
@@ -439,7 +439,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--weights", default=None,
                         help="batchinfer --quantization forms (default: none,q4 against "
-                        "llama.cpp, the last one served; none,int8,q4 against OpenVINO)")
+                        "llama.cpp, the last one served; none,q8,q4 against OpenVINO, whose "
+                        "int8 meets our int8 or q8)")
     parser.add_argument("--concurrency", default="1,4,32")
     parser.add_argument("--burst", type=int, default=32, help="requests of the offline burst")
     parser.add_argument("--input-len", default="24:400")
@@ -459,7 +460,7 @@ def main() -> None:
     if "llama.cpp" in peers:
         llama_half(args, weights or ["none", "q4"], result_dir)
     if "openvino" in peers:
-        openvino_half(args, weights or list(OPENVINO_FORMS), result_dir)
+        openvino_half(args, weights or ["none", "q8", "q4"], result_dir)
 
 
 def serve_ours(bench: BenchConfig, concurrency: int, form: str, threads: int,

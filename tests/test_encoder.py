@@ -138,6 +138,26 @@ def test_int8_weights_kept_when_probe_vectors_stay_close(encoder: Encoder) -> No
     assert (ours - base).abs().max() > 1e-5  # the int8 weights really run
 
 
+def test_q8_weights_keep_the_default_cosine_bound_where_per_channel_int8_may_not(
+        encoder: Encoder) -> None:
+    """8-bit weights in groups of 32 (the native kernels): kept on the embedded model at the
+    default bound 0.999, and what runs is the q8 kernel, not the float weights."""
+    from batchinfer import native
+
+    if native.library() is None:
+        with pytest.raises(ValueError, match="quantization 'q8'"):
+            Encoder("default", dtype="float32", device="cpu", quantization="q8")
+        return
+    quantized = Encoder("default", dtype="float32", device="cpu", quantization="q8")
+    assert quantized.quantization == "q8"
+    assert 0.999 <= quantized.quantization_cosine < 1.0
+    kernels = {k for bucket in quantized.linear_kernels.choice.values() for k in bucket}
+    assert kernels == {"q8_native"}
+    ours, base = quantized.encode(TEXTS), encoder.encode(TEXTS)
+    assert cosine(ours, base).min() > 0.999
+    assert (ours - base).abs().max() > 1e-5  # the 8-bit weights really run
+
+
 def test_int8_weights_refused_below_the_cosine_bound(encoder: Encoder,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING", logger="batchinfer.models.encoder"):

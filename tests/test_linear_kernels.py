@@ -208,11 +208,17 @@ def _rounded_q4(tensor: torch.Tensor) -> torch.Tensor:
     return dequantize_q4(*quantize_q4(tensor.float()))
 
 
-@pytest.mark.parametrize(("quantization", "rounded"), [("int8", _rounded_int8),
-                                                       ("q4", _rounded_q4)])
+def _rounded_q8(tensor: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_q8(tensor.float())
+    return (q.float() * scale[..., None]).flatten(1)
+
+
+@pytest.mark.parametrize(("quantization", "rounded", "exact"), [
+    ("int8", _rounded_int8, ("int8", "int8_dense")), ("q4", _rounded_q4, ("q4", "q4_dense")),
+    ("q8", _rounded_q8, ("q8_dense",))])
 def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, monkeypatch,
-                                                                   quantization, rounded):
-    """`quantization int8 | q4`: the engine's float32-activation kernels compute what float32
+                                                                   quantization, rounded, exact):
+    """`quantization int8 | q4 | q8`: the engine's float32-activation kernels compute what float32
     kernels compute on the dequantized weights, so greedy tokens equal Hugging Face's on a
     copy of the model whose layers' weights were rounded the same way. The LM head is on
     Q8_0's grid in both (as the embedded GGUF's is), so its 8-bit form holds it exactly
@@ -235,7 +241,7 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
             tensors[name] = rounded(tensor).to(tensor.dtype)
     save_file(tensors, rounded_dir / "model.safetensors")
     want = None
-    for kernels in (quantization, f"{quantization}_dense", "auto"):
+    for kernels in (*exact, "auto"):
         llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=32 << 20,
                   quantization=quantization, linear_kernels=kernels)
         layer = llm.engine.worker.loaded.model.layers[0].mlp.gate_up_proj
@@ -316,7 +322,7 @@ def _tensors_held(fn, seen=None) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("quantization", "kernels", "keeps_float"), [
     ("int8", "int8_dense", False), ("q4", "q4_dense", False), ("q4", "auto", False),
-    ("none", "dense", True),
+    ("q8", "q8_dense", False), ("q8", "auto", False), ("none", "dense", True),
 ])
 def test_a_quantized_layer_keeps_no_float_copy_of_its_weight(quantization, kernels,
                                                             keeps_float):

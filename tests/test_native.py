@@ -56,10 +56,11 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (32, 96), (16, 32)])
 def test_native_kernels_compute_the_product_of_their_weights(lib, n, k):
-    """Every row count (row tiles of 4 and a remainder), with and without a bias: q4, q8 and
-    per-channel int8 against F.linear on the weights they hold, float32 against the weight
-    itself. The
-    quantized ones round each input group of 32 to 16-bit integers: within 1e-4."""
+    """Every row count, with and without a bias: row tiles of 4 and a remainder (few rows),
+    weights held in registers for blocks of up to 32 rows (8 and more), threads taking blocks
+    of rows (64 and more on two threads): q4, q8 and per-channel int8 against F.linear on the
+    weights they hold, float32 against the weight itself. The quantized ones round each input
+    group of 32 to 16-bit integers: within 1e-4."""
     for seed, with_bias in ((0, True), (1, False)):
         w, b = weights(n, k, seed, with_bias)
         forms = WeightForms(w, b)
@@ -68,7 +69,7 @@ def test_native_kernels_compute_the_product_of_their_weights(lib, n, k):
         q_int8, channel = quantize_int8(w)
         int8 = q_int8.float() * channel[:, None]
         f32 = NativeLinear(lib, native.F32, n, k, (w,), b)
-        for rows in (1, 2, 3, 4, 5, 9):
+        for rows in (1, 2, 3, 4, 5, 9, 13, 37, 70):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             assert relative_error(forms.kernel("q4_native")(x), F.linear(x, q4, b)) < 1e-4
             assert relative_error(forms.kernel("q8_native")(x), F.linear(x, q8, b)) < 1e-4
@@ -96,6 +97,36 @@ def test_q8_holds_a_q8_0_tensor_exactly_and_rounds_others_per_group():
     assert bool((err <= other.abs().view(32, 2, 32).amax(2, keepdim=True) / 254 + 1e-7).all())
 
 
+def _per_sentence_sdpa(q, k, v, lengths, heads):
+    out, start = [], 0
+    for n in lengths:
+        q_s, k_s, v_s = (t[start:start + n].reshape(n, heads, -1).transpose(0, 1)
+                         for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(q_s, k_s, v_s).transpose(0, 1).reshape(n, -1))
+        start += n
+    return torch.cat(out)
+
+
+def check_packed_attention(lib):
+    """Sentences of 1 to 130 tokens (partial and whole blocks of 64 keys, query rows in fours
+    and a remainder), in no particular order, as views of one fused projection."""
+    lengths = [5, 1, 130, 64, 3, 17, 66, 4]
+    g = torch.Generator().manual_seed(3)
+    for heads, head_dim in ((3, 32), (2, 64), (4, 24)):  # vectorized sizes, and any other
+        width = heads * head_dim
+        qkv = torch.randn(sum(lengths), 3 * width, generator=g) * 2
+        q, k, v = qkv[:, :width], qkv[:, width:2 * width], qkv[:, 2 * width:]
+        got = native.packed_attention(lib, q, k, v, lengths, heads)
+        want = _per_sentence_sdpa(q, k, v, lengths, heads)
+        assert (got - want).abs().max() < 1e-5, head_dim
+    with pytest.raises(ValueError, match="lengths"):
+        native.packed_attention(lib, q, k, v, [1, 2], heads)
+
+
+def test_packed_attention_equals_per_sentence_sdpa(lib):
+    check_packed_attention(lib)
+
+
 def test_shapes_the_layouts_cannot_take_are_refused_and_fall_back(lib):
     w, b = weights(40, 64)  # 40 outputs: no tile of 16
     forms = WeightForms(w, b)
@@ -114,6 +145,9 @@ def test_without_the_library_native_kernels_are_neither_candidates_nor_forced(mo
     assert "q4_native" not in candidates("q4", CPU, torch.float32)
     with pytest.raises(ValueError, match="linear_kernels 'q4_native' cannot run here"):
         kernel_names("q4", "q4_native", CPU, torch.float32)
+    # q8 is a form for the native kernels: without them it is refused, naming the knob
+    with pytest.raises(ValueError, match="quantization 'q8' runs on the native CPU kernels"):
+        kernel_names("q8", "auto", CPU, torch.float32)
     w, b = weights(32, 64)
     layer = KernelLinear(WeightForms(w, b), ("q4_native",) * 4)
     assert layer.kernels == ("q4_dense",) * 4
@@ -153,7 +187,7 @@ def _sequences(lengths: list[int], vocab: int, seed: int) -> list[dict]:
             for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("case", ["q4-head64", "dense-qwen2-bias", "q4-tied"])
+@pytest.mark.parametrize("case", ["q4-head64", "dense-qwen2-bias", "q4-tied", "q8"])
 def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
     """Decode steps of 1 and 3 sequences (contexts up to ~330 tokens: cut into parts that
     run on different threads and are merged) against the torch model on the same cache:
@@ -165,9 +199,10 @@ def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
                                           "intermediate_size": 256}),
         "dense-qwen2-bias": ("none", "dense", {"arch": "qwen2"}),
         "q4-tied": ("q4", "q4_native", {"tie_word_embeddings": True}),
+        "q8": ("q8", "q8_native", {}),
     }[case]
     loaded, runner = _llama(tmp_path, quantization, kernels, **overrides)
-    _compare_decode_steps(loaded, runner, 1e-3 if quantization == "q4" else 1e-5)
+    _compare_decode_steps(loaded, runner, 1e-5 if quantization == "none" else 1e-3)
 
 
 def _compare_decode_steps(loaded, runner: ModelRunner, tolerance: float) -> None:
@@ -314,5 +349,6 @@ def test_the_portable_c_path_computes_the_same(lib, tmp_path, monkeypatch):
                        ("q8_native", dequantize_q8(*pack_q8(w))),
                        ("int8_native", q_int8.float() * channel[:, None])):
         assert relative_error(forms.kernel(name)(x), F.linear(x, held, b)) < 1e-4, name
+    check_packed_attention(portable)
     loaded, runner = _llama(tmp_path, "q4", "q4_native")
     _compare_decode_steps(loaded, runner, 1e-3)

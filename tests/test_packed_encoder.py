@@ -24,28 +24,45 @@ CONFIGS = {
                                          num_attention_heads=3, intermediate_size=96,
                                          max_position_embeddings=64, pad_token_id=1,
                                          hidden_act="relu"),
+    # head sizes 32 and 64: the native attention's vectorized paths
+    "bert-head32": BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=128),
+    "bert-head64": BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=1, intermediate_size=64,
+                              max_position_embeddings=128),
 }
+# Sentences longer than one block of 64 keys, and a partial one, for the wider models.
+LONG_LENGTHS = [70, 5, 128, 1, 66, 17]
 
 
+@pytest.mark.parametrize("native_attention", [True, False], ids=["native", "sdpa"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_packed_hidden_states_equal_the_padded_transformers_forward(name: str) -> None:
+def test_packed_hidden_states_equal_the_padded_transformers_forward(
+        name: str, native_attention: bool) -> None:
+    """Both attention paths of the packed forward (the native kernel where it is built,
+    per-length SDPA calls) give the padded forward's states."""
     torch.manual_seed(0)
     hf = AutoModel.from_config(CONFIGS[name], attn_implementation="sdpa").eval()
     assert packed_supported(hf)
-    packed = PackedEncoder(hf, chunk_tokens=8)  # several token chunks per layer
-    rows = [torch.randint(2, 120, (n,)) for n in LENGTHS]  # no pad ids inside a sentence
-    longest = max(LENGTHS)
+    packed = PackedEncoder(hf, chunk_tokens=8,  # several token chunks per layer
+                           native_attention=native_attention)
+    if native_attention and packed.native is None:
+        pytest.skip("the native kernels cannot be built here")
+    lengths = LONG_LENGTHS if name.startswith("bert-head") else LENGTHS
+    rows = [torch.randint(2, 120, (n,)) for n in lengths]  # no pad ids inside a sentence
+    longest = max(lengths)
     ids = torch.full((len(rows), longest), hf.config.pad_token_id or 0)
     mask = torch.zeros(len(rows), longest, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, :len(row)] = row
         mask[i, :len(row)] = 1
-    order = sorted(range(len(rows)), key=lambda i: LENGTHS[i])
+    order = sorted(range(len(rows)), key=lambda i: lengths[i])
     with torch.inference_mode():
         want = hf(input_ids=ids, attention_mask=mask).last_hidden_state
-        got = packed(torch.cat([rows[i] for i in order]), [LENGTHS[i] for i in order])
-    for chunk, i in zip(got.split([LENGTHS[i] for i in order]), order, strict=True):
-        assert (chunk - want[i, :LENGTHS[i]]).abs().max() <= 1e-5, (name, i)
+        got = packed(torch.cat([rows[i] for i in order]), [lengths[i] for i in order])
+    for chunk, i in zip(got.split([lengths[i] for i in order]), order, strict=True):
+        assert (chunk - want[i, :lengths[i]]).abs().max() <= 1e-5, (name, i)
 
 
 def test_unsupported_models_keep_the_padded_path() -> None:

@@ -50,8 +50,9 @@ class EmbeddingConfig:
     max_length: int | None = field(default=None, metadata={
         "help": "longest input in tokens; default: the model's (256 for all-MiniLM-L6-v2)"})
     quantization: str = field(default="none", metadata={
-        "help": "none, int8 (per output channel; kept only where the probe sentences' vectors "
-                "stay within cosine 0.999 of the float ones, else float with a warning)"})
+        "help": "none, int8 (per output channel), q8 (8-bit in groups of 32, native CPU "
+                "kernels); either kept only where the probe sentences' vectors stay within "
+                "cosine 0.999 of the float ones, else float with a warning"})
     max_client_batch_size: int = field(default=2048, metadata={
         "help": "most inputs in one /v1/embeddings request"})
     served_model_name: str | None = field(default=None, metadata={

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from batchinfer.core.config import DEVICES
+from batchinfer.core.config import DEVICES, ENCODER_QUANTIZATIONS
 from batchinfer.core.validation import check_choice, check_int
 
 INPUT_FORMATS = ("auto", "jsonl", "text")
@@ -48,8 +48,9 @@ def register(subparsers: Any) -> None:
                        help="default: auto (cuda if present)")
     model.add_argument("--max-length", type=int, default=None,
                        help="longest input in tokens (default: the model's)")
-    model.add_argument("--quantization", default="none", choices=("none", "int8"),
-                       help="int8: int8 weights where the probe sentences' vectors stay within "
+    model.add_argument("--quantization", default="none", choices=ENCODER_QUANTIZATIONS,
+                       help="int8 (per output channel) or q8 (8-bit in groups of 32, native CPU "
+                       "kernels): 8-bit weights where the probe sentences' vectors stay within "
                        "cosine 0.999 of float32's, else float32 with a warning (default: none)")
     model.add_argument("--truncate", action="store_true",
                        help="cut texts longer than --max-length instead of failing")

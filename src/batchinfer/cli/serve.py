@@ -28,7 +28,7 @@ from batchinfer.cli.options import (
     end_ray_flags,
     refuse_without_ray,
 )
-from batchinfer.core.config import EngineConfig, parse_bytes
+from batchinfer.core.config import ENCODER_QUANTIZATIONS, EngineConfig, parse_bytes
 from batchinfer.core.validation import check_int, check_non_negative
 
 API_KEY_ENV = "BATCHINFER_API_KEY"
@@ -76,9 +76,11 @@ def register(subparsers: Any) -> None:
     server.add_argument("--embedding-model", default=None,
                         help="also serve /v1/embeddings with this encoder (with --model none: "
                         "embeddings only)")
-    server.add_argument("--embedding-quantization", default="none", choices=("none", "int8"),
-                        help="the encoder's weights: int8 where the probe sentences' vectors stay "
-                        "within cosine 0.999 of float32's, else float32 (default: none)")
+    server.add_argument("--embedding-quantization", default="none",
+                        choices=ENCODER_QUANTIZATIONS,
+                        help="the encoder's weights: int8 (per output channel) or q8 (8-bit in "
+                        "groups of 32, native CPU kernels) where the probe sentences' vectors "
+                        "stay within cosine 0.999 of float32's, else float32 (default: none)")
     server.add_argument("--limit-concurrency", type=int, default=2048,
                         help="most open connections (and in-flight requests); beyond: HTTP 503 "
                         "(default: 2048)")

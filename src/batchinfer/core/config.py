@@ -20,9 +20,10 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATIONS = ("none", "int8", "q4")
+QUANTIZATIONS = ("none", "int8", "q8", "q4")
+ENCODER_QUANTIZATIONS = ("none", "int8", "q8")  # an encoder's weights
 LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "int8_native", "q4",
-                  "q4_dense", "q4_native")
+                  "q4_dense", "q4_native", "q8_native", "q8_dense")
 GiB = 1 << 30
 BYTE_SIZES = ("kv_cache_memory", "swap_space")  # fields that accept "2G", "512M"
 
@@ -99,13 +100,14 @@ class EngineConfig:
         "CPU float32: let linear layers use oneDNN's packed layout where it measures faster"))
     quantization: str = field(default="none", metadata=_help(
         "weight-only quantization of the linear layers: none, int8 (per output channel; a "
-        "quarter of float32's bytes), q4 (4-bit in groups of 32 with a scale and a zero, as "
-        "GGUF's Q4_1; an eighth)"))
+        "quarter of float32's bytes), q8 (8-bit in groups of 32 with a scale, as GGUF's Q8_0; "
+        "CPU native kernels), q4 (4-bit in groups of 32 with a scale and a zero, as GGUF's "
+        "Q4_1; an eighth)"))
     linear_kernels: str = field(default="auto", metadata=_help(
         "auto (per weight shape and row count, the fastest kernel measured at start-up on "
         "this machine, cached), or one kernel for all: dense, packed (CPU float32), int8, "
         "int8_dense, int8_native (quantization int8), q4, q4_dense, q4_native (quantization "
-        "q4)"))
+        "q4), q8_native, q8_dense (quantization q8)"))
     native_decode: bool = field(default=True, metadata=_help(
         "CPU float32: run decode steps (every sequence one token) as one native call per step, "
         "at the row counts where that measured faster than the torch model at start-up "

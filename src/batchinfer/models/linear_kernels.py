@@ -28,7 +28,12 @@ Candidates, by weight form (`quantization`):
 - the LM head of a quantized model: its float kernels, or `q8_native` (int8 in groups of 32,
   GGUF Q8_0's grid, a quarter of float32's bytes);
 - `int8` weights also run by `int8_native`, the native 8-bit kernel with each output's one
-  scale.
+  scale;
+- `q8`: int8 weights in groups of 32 with a scale each (GGUF Q8_0's grid: a quarter of
+  float32's bytes, and an error per weight of at most 1/254 of its group's largest, where
+  `int8`'s is of its whole row's), run by `q8_native`, or `q8_dense` (dequantized in the call;
+  slow at few rows). It needs the native kernels; a shape their layout refuses keeps its float
+  weights (`dense`), as an LM head that `q8_native` cannot take does.
 
 `KernelLinear` holds only the weight forms its chosen kernels read, and dispatches on the
 number of rows. Every kernel computes the same product as `F.linear` on the same (quantized)
@@ -64,6 +69,7 @@ from batchinfer.native.linear import (
     pack_q4,
     pack_q8,
     pack_q8_groups,
+    quantize_q8,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,6 +78,7 @@ KERNELS_BY_QUANTIZATION: dict[str, tuple[str, ...]] = {
     "none": ("dense", "packed"),
     "int8": ("int8", "int8_bf16", "int8_dense", "int8_native"),
     "q4": ("q4", "q4_bf16", "q4_dense", "q4_native"),
+    "q8": ("q8_native", "q8_dense"),
 }
 # The LM head of a quantized model: its float kernels, or 8-bit groups of 32 (`q8_native`).
 HEAD_KERNELS = ("q8_native",)
@@ -81,7 +88,8 @@ NATIVE_KERNELS = ("q4_native", "q8_native", "int8_native")
 # `dense` (the float weights, unquantized) takes every weight: a shape q4 cannot group in 32s.
 FALLBACK = {"packed": "dense", "int8": "int8_dense", "int8_bf16": "int8_dense",
             "int8_dense": "dense", "q4": "q4_dense", "q4_bf16": "q4_dense", "q4_dense": "dense",
-            "q4_native": "q4_dense", "q8_native": "dense", "int8_native": "int8_dense"}
+            "q4_native": "q4_dense", "q8_native": "dense", "q8_dense": "dense",
+            "int8_native": "int8_dense"}
 # torch's bfloat16 int8 kernel reads past the end of rows of other lengths (wrong values, or
 # a crash): it is offered only where the input size is a multiple of this.
 INT8_BF16_K_MULTIPLE = 32
@@ -176,6 +184,7 @@ class WeightForms:
         self._packed: PackedLinear | None = None
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # packed, q, pairs
+        self._q8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8 groups, scales
         self._native: dict[str, NativeLinear] = {}
 
     def kernel(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -191,6 +200,13 @@ class WeightForms:
             if self._packed is None:
                 self._packed = PackedLinear(self.weight, bias)
             return self._packed.forward
+        if name == "q8_dense":
+            if self._q8 is None:
+                self._q8 = quantize_q8(self.weight)  # ValueError: a shape q8 cannot group
+            q8, group_scale = self._q8
+            shape = self.weight.shape
+            return lambda x: F.linear(
+                x, (q8.to(x.dtype) * group_scale.to(x.dtype)[..., None]).view(shape), bias)
         if name.startswith("int8"):
             if self._int8 is None:
                 self._int8 = quantize_int8(self.weight)
@@ -267,6 +283,8 @@ class WeightForms:
             return self._native[name].nbytes
         if name.startswith("int8") and self._int8 is not None:
             total = size(*self._int8)
+        elif name == "q8_dense" and self._q8 is not None:
+            total = size(*self._q8)
         elif name.startswith("q4") and self._q4 is not None:
             packed, nibbles, pairs = self._q4
             total = size(nibbles if name == "q4_dense" else packed, pairs)
@@ -276,7 +294,7 @@ class WeightForms:
 
     def release(self) -> None:
         """Drop the converted forms (the dense weight stays)."""
-        self._packed = self._int8 = self._q4 = None
+        self._packed = self._int8 = self._q4 = self._q8 = None
         self._native = {}
 
 
@@ -575,6 +593,9 @@ def kernel_names(quantization: str, kernels: str, device: torch.device, dtype: t
     """The candidates `auto` measures, or the one kernel asked for; `ValueError` naming the
     knob when that kernel cannot run this weight form, device or dtype."""
     names = candidates(quantization, device, dtype, allow_packed)
+    if quantization == "q8" and "q8_native" not in names:
+        raise ValueError("quantization 'q8' runs on the native CPU kernels: float32 on a CPU "
+                         "with a C compiler (BATCHINFER_NATIVE not 0); use int8 or q4 here")
     if kernels == "auto":
         return names
     if kernels not in KERNELS_BY_QUANTIZATION[quantization]:
@@ -632,7 +653,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
         # A float layer keeps its float32 weight for native decode steps even where packed
         # won (then both forms are held), until the start-up choice of native steps drops it
         # for the row buckets they do not take (`KernelLinear.keep_native`).
-        return {"q4": "q4_native", "int8": "int8_native", "none": "dense"}.get(quantization)
+        return {"q4": "q4_native", "int8": "int8_native", "q8": "q8_native",
+                "none": "dense"}.get(quantization)
 
     for group_names, group in groups:
         if not group:

@@ -23,7 +23,10 @@ import platform
 import shutil
 import subprocess
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from batchinfer.models.hardware import cpu_flags, cpu_model
 
@@ -135,6 +138,33 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
     lib.bi_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, *[ctypes.c_void_p] * 8,
                               ctypes.c_int]
     lib.bi_decode.restype = None
+    lib.bi_packed_attention.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.bi_packed_attention.restype = None
     logger.info("native CPU kernels loaded from %s (%s)", target,
                 "AVX-512" if lib.bi_avx512() else "portable C")
     return lib
+
+
+def packed_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lengths: Sequence[int], num_heads: int) -> torch.Tensor:
+    """Unmasked self-attention of sentences lying end to end (`lengths` tokens each) in
+    float32 CPU rows `q`, `k`, `v` `[T, num_heads * head_dim]` (one row stride, such as views
+    of one fused projection): `[T, num_heads * head_dim]`, each sentence attending to itself
+    only, scores scaled by 1/sqrt(head_dim)."""
+    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()
+            and q.stride(1) == 1 and q.dtype == torch.float32 and q.device.type == "cpu"):
+        raise ValueError("packed_attention takes float32 CPU rows of one shape and stride")
+    if sum(lengths) != q.shape[0] or min(lengths, default=1) < 1:
+        raise ValueError(f"lengths must be positive and add up to {q.shape[0]} rows")
+    head_dim = q.shape[1] // num_heads
+    out = torch.empty(q.shape, dtype=torch.float32)
+    counts = torch.tensor(list(lengths), dtype=torch.int64)
+    starts = counts.cumsum(0) - counts
+    lib.bi_packed_attention(len(lengths), starts.data_ptr(), counts.data_ptr(), max(lengths),
+                            num_heads, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                            q.stride(0), out.data_ptr(), out.stride(0), head_dim ** -0.5,
+                            torch.get_num_threads())
+    return out

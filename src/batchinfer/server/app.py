@@ -70,7 +70,7 @@ class ServerConfig:
     max_num_queued_requests: int = 1024
     max_request_bytes: int = 1 << 20
     embedding_model: str | None = None
-    embedding_quantization: str = "none"  # the encoder's weights: none | int8
+    embedding_quantization: str = "none"  # the encoder's weights: none | int8 | q8
     max_client_batch_size: int = 2048  # most inputs in one /v1/embeddings request
     embedding_batcher: BatcherConfig = ENCODER_BATCHER_CONFIG  # the encoder's dynamic batcher
     # After a drain signal, requests still running this long before the server stops waiting
