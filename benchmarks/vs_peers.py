@@ -79,6 +79,12 @@ OPENVINO_PINS = ("openvino-genai==2026.4.1.0", "openvino-tokenizers==2026.4.1.0"
 OPENVINO_FORMS = {"none": "fp32", "int8": "int8", "q8": "int8", "q4": "int4"}
 
 
+def engine_form(form: str) -> dict[str, str]:
+    """A `--weights` entry as engine knobs: `q4`, or `q4+a8` (8-bit prefill activations)."""
+    quantization, a8, _ = form.partition("+a8")
+    return {"quantization": quantization, "prefill_activations": "int8" if a8 else "int16"}
+
+
 def build_llama_cpp(dest: Path, version: str) -> Path:
     """llama.cpp's binaries in `dest/bin`, built from the llama-cpp-python sdist if absent."""
     bin_dir = dest / "bin"
@@ -194,7 +200,7 @@ def one_sequence(args: argparse.Namespace, bin_dir: Path, gguf: Path, weights: l
     falls on both); medians. Ours: time to the first token of a 512-token prompt (pp512),
     decode of 128 tokens after a 1-token prompt (tg128) and after the 512-token one
     (tg128@d512)."""
-    llms = {form: LLM("default", dtype="float32", num_threads=args.threads, quantization=form,
+    llms = {form: LLM("default", dtype="float32", num_threads=args.threads, **engine_form(form),
                       enable_prefix_caching=False, kv_cache_memory="512M") for form in weights}
     rounds: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.repeats):
@@ -337,7 +343,8 @@ def openvino_half(args: argparse.Namespace, weights: list[str], result_dir: Path
     start = time.perf_counter()
     python = openvino_venv(root)
     models = openvino_models(python, root, default_gguf_path(),
-                             [OPENVINO_FORMS[form] for form in weights])
+                             [OPENVINO_FORMS[engine_form(form)["quantization"]]
+                              for form in weights])
     setup_s = time.perf_counter() - start
     prompts, lengths = burst_workload(args)
     single = [(37 * i + 11) % 40000 + 100 for i in range(512)]  # speed()'s prompt
@@ -345,11 +352,11 @@ def openvino_half(args: argparse.Namespace, weights: list[str], result_dir: Path
     rows: dict[str, dict[str, Any]] = {}
     theirs: dict[str, Any] = {}
     for form in weights:
-        fmt = OPENVINO_FORMS[form]
+        fmt = OPENVINO_FORMS[engine_form(form)["quantization"]]
         load = os.getloadavg()[0]  # another process on these cores skews both sides
         # The engine's defaults (2 GiB of KV cache, 64 sequences, 2048 tokens a step), which
         # OpenVINO's scheduler gets too.
-        llm = LLM("default", dtype="float32", quantization=form, num_threads=args.threads,
+        llm = LLM("default", dtype="float32", **engine_form(form), num_threads=args.threads,
                   enable_prefix_caching=False)
         config = llm.engine.config
         ours_burst(llm, prompts[:2], lengths[:2])  # warm-up
@@ -440,7 +447,8 @@ def main() -> None:
     parser.add_argument("--weights", default=None,
                         help="batchinfer --quantization forms (default: none,q4 against "
                         "llama.cpp, the last one served; none,q8,q4 against OpenVINO, whose "
-                        "int8 meets our int8 or q8)")
+                        "int8 meets our int8 or q8; a +a8 suffix, as q4+a8, adds "
+                        "--prefill-activations int8)")
     parser.add_argument("--concurrency", default="1,4,32")
     parser.add_argument("--burst", type=int, default=32, help="requests of the offline burst")
     parser.add_argument("--input-len", default="24:400")
@@ -453,7 +461,8 @@ def main() -> None:
     if not peers or set(peers) - {"llama.cpp", "openvino"}:
         parser.error(f"--peers {args.peers!r}: expected llama.cpp, openvino or both")
     weights = args.weights.split(",") if args.weights else None
-    if "openvino" in peers and weights and set(weights) - set(OPENVINO_FORMS):
+    forms = {engine_form(w)["quantization"] for w in weights or ()}
+    if "openvino" in peers and forms - set(OPENVINO_FORMS):
         parser.error(f"--weights {args.weights!r}: OpenVINO pairs only {list(OPENVINO_FORMS)}")
     result_dir = Path(args.result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -465,7 +474,9 @@ def main() -> None:
 
 def serve_ours(bench: BenchConfig, concurrency: int, form: str, threads: int,
                result_dir: Path) -> Any:
-    flags = ("--quantization", form, "--dtype", "float32", "--num-threads", str(threads),
+    knobs = engine_form(form)
+    flags = ("--quantization", knobs["quantization"], "--prefill-activations",
+             knobs["prefill_activations"], "--dtype", "float32", "--num-threads", str(threads),
              "--max-num-seqs", "32")
     server = SweepServer(label=f"batchinfer-{form}", batching="continuous", flags=flags)
     sweep = SweepConfig(bench=bench, result_dir=str(result_dir), batching=("continuous",))

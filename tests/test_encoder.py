@@ -139,20 +139,28 @@ def test_int8_weights_kept_when_probe_vectors_stay_close(encoder: Encoder) -> No
 
 
 def test_q8_weights_keep_the_default_cosine_bound_where_per_channel_int8_may_not(
-        encoder: Encoder) -> None:
+        encoder: Encoder, caplog: pytest.LogCaptureFixture) -> None:
     """8-bit weights in groups of 32 (the native kernels): kept on the embedded model at the
-    default bound 0.999, and what runs is the q8 kernel, not the float weights."""
+    default bound 0.999, and what runs is the q8 kernel, not the float weights. Where those
+    kernels cannot run (bfloat16 activations, as `dtype=auto` picks on CPUs with fast bf16),
+    the float weights stay, with a warning."""
     from batchinfer import native
 
-    if native.library() is None:
-        with pytest.raises(ValueError, match="quantization 'q8'"):
-            Encoder("default", dtype="float32", device="cpu", quantization="q8")
+    with caplog.at_level("WARNING", logger="batchinfer.models.encoder"):
+        bf16 = Encoder("default", dtype="bfloat16", device="cpu", quantization="q8")
+    assert bf16.quantization == "none" and "float weights kept" in caplog.text
+
+    if native.library() is None:  # where they cannot run: float weights, as a refusal keeps
+        assert Encoder("default", dtype="float32", device="cpu",
+                       quantization="q8").quantization == "none"
         return
     quantized = Encoder("default", dtype="float32", device="cpu", quantization="q8")
     assert quantized.quantization == "q8"
     assert 0.999 <= quantized.quantization_cosine < 1.0
     kernels = {k for bucket in quantized.linear_kernels.choice.values() for k in bucket}
-    assert kernels == {"q8_native"}
+    # the native kernel at few rows; at an encoder's large batches, whichever of it and the
+    # dequantize + float32 GEMM form measured faster
+    assert "q8_native" in kernels and kernels <= {"q8_native", "q8_dense"}
     ours, base = quantized.encode(TEXTS), encoder.encode(TEXTS)
     assert cosine(ours, base).min() > 0.999
     assert (ours - base).abs().max() > 1e-5  # the 8-bit weights really run

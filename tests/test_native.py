@@ -22,6 +22,7 @@ from batchinfer.models.linear_kernels import (
     candidates,
     dequantize_q4,
     kernel_names,
+    q4_affine,
     quantize_int8,
     quantize_q4,
 )
@@ -95,6 +96,50 @@ def test_q8_holds_a_q8_0_tensor_exactly_and_rounds_others_per_group():
     other = torch.randn(32, 64)
     err = (dequantize_q8(*pack_q8(other)) - other).abs().view(32, 2, 32)
     assert bool((err <= other.abs().view(32, 2, 32).amax(2, keepdim=True) / 254 + 1e-7).all())
+
+
+def _act8_reference(x, w_int, scale, offset, bias):
+    """What the 8-bit input path computes: each input group of 32 rounded to int8 by its
+    largest |x| / 127, products with the weights' integers scaled per group, plus (q4) each
+    group's offset times the float sum of its unrounded inputs."""
+    rows, k = x.shape
+    groups = k // 32
+    xg = x.view(rows, groups, 32)
+    top = xg.abs().amax(2, keepdim=True)
+    x_hat = torch.round(xg * (127 / top)).clamp(-127, 127) * (top / 127)
+    wg = w_int.float().view(w_int.shape[0], groups, 32)
+    y = torch.einsum("rgi,ngi->rng", x_hat, wg)  # [rows, n, groups]
+    y = (y * scale.view(1, -1, groups)).sum(2)
+    if offset is not None:
+        y += xg.sum(2) @ offset.view(-1, groups).T
+    return y + bias
+
+
+def test_8_bit_inputs_compute_the_rounded_product(lib):
+    """`prefill_activations int8` (where the CPU has AVX-512 VNNI): products of many rows
+    round each input group to 8 bits, which moves them off the 16-bit results but exactly
+    onto what the rounding implies; few rows keep 16 bits. Elsewhere nothing changes."""
+    w, b = weights(48, 96)
+    q4, pairs = quantize_q4(w)
+    q4_scale, q4_offset = q4_affine(pairs)
+    q8, q8_scale = quantize_q8(w)
+    forms = WeightForms(w, b)
+    cases = [(forms.kernel("q4_native"), q4, q4_scale, q4_offset),
+             (forms.kernel("q8_native"), q8, q8_scale, None)]
+    for kernel, w_int, scale, offset in cases:
+        for rows in (5, 64, 97):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            kernel.int8_inputs = False
+            wide = kernel(x)
+            kernel.int8_inputs = True
+            got = kernel(x)
+            kernel.int8_inputs = False
+            many = rows >= 32 * torch.get_num_threads()
+            if lib.bi_act8() and many:
+                assert relative_error(got, _act8_reference(x, w_int, scale, offset, b)) < 1e-5
+                assert relative_error(got, wide) > 1e-4  # really 8 bits
+            else:
+                assert torch.equal(got, wide)
 
 
 def _per_sentence_sdpa(q, k, v, lengths, heads):
@@ -181,17 +226,19 @@ def _llama(tmp_path, quantization: str, kernels: str, **overrides):
 
 def _sequences(lengths: list[int], vocab: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    per_seq = 40  # blocks: 640 tokens
+    per_seq = 160 // max(4, len(lengths))  # blocks of the runner's 160: 640 tokens for four
     return [{"id": str(i), "tokens": [rng.randrange(vocab) for _ in range(n)],
              "table": list(range(i * per_seq, (i + 1) * per_seq))}
             for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("case", ["q4-head64", "dense-qwen2-bias", "q4-tied", "q8"])
+@pytest.mark.parametrize("case", ["q4-head64", "dense-qwen2-bias", "q4-tied", "q8",
+                                  "q4-13-seqs"])
 def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
     """Decode steps of 1 and 3 sequences (contexts up to ~330 tokens: cut into parts that
-    run on different threads and are merged) against the torch model on the same cache:
-    the same logits, each step's K/V written where the torch model writes them."""
+    run on different threads and are merged), and of 11 and 13 (linears holding a group's
+    weights for every row), against the torch model on the same cache: the same logits, each
+    step's K/V written where the torch model writes them."""
     quantization, kernels, overrides = {
         # head_dim 64 and 2 query heads per KV head: the AVX-512 attention path
         "q4-head64": ("q4", "q4_native", {"hidden_size": 128, "num_attention_heads": 2,
@@ -200,18 +247,22 @@ def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
         "dense-qwen2-bias": ("none", "dense", {"arch": "qwen2"}),
         "q4-tied": ("q4", "q4_native", {"tie_word_embeddings": True}),
         "q8": ("q8", "q8_native", {}),
+        "q4-13-seqs": ("q4", "q4_native", {}),
     }[case]
     loaded, runner = _llama(tmp_path, quantization, kernels, **overrides)
-    _compare_decode_steps(loaded, runner, 1e-5 if quantization == "none" else 1e-3)
+    lengths = [3, 170, 17, 40, 9, 120, 64, 1, 150, 33, 80, 5, 100] if case == "q4-13-seqs" \
+        else [5, 140, 330]
+    _compare_decode_steps(loaded, runner, 1e-5 if quantization == "none" else 1e-3, lengths)
 
 
-def _compare_decode_steps(loaded, runner: ModelRunner, tolerance: float) -> None:
+def _compare_decode_steps(loaded, runner: ModelRunner, tolerance: float,
+                          lengths: tuple[int, ...] | list[int] = (5, 140, 330)) -> None:
     decoder, why = NativeDecoder.build(loaded.model, runner.attention)
     assert decoder is not None, why
     assert decoder.buckets[0] and decoder.buckets[1]
     params = SamplingParams(max_tokens=8, temperature=0)
     vocab = loaded.spec.vocab_size
-    seqs = _sequences([5, 140, 330], vocab, seed=1)
+    seqs = _sequences(list(lengths), vocab, seed=1)
     with torch.inference_mode():
         runner.execute(SchedulerOutput([
             ScheduledSequence(s["id"], s["tokens"], 0, s["table"], True, params,
@@ -350,5 +401,11 @@ def test_the_portable_c_path_computes_the_same(lib, tmp_path, monkeypatch):
                        ("int8_native", q_int8.float() * channel[:, None])):
         assert relative_error(forms.kernel(name)(x), F.linear(x, held, b)) < 1e-4, name
     check_packed_attention(portable)
+    assert portable.bi_act8() == 0  # no 8-bit input path: the 16-bit one runs
+    q4 = forms.kernel("q4_native")
+    many = torch.randn(70, 64)
+    wide = q4(many)
+    q4.int8_inputs = True
+    assert torch.equal(q4(many), wide)
     loaded, runner = _llama(tmp_path, "q4", "q4_native")
     _compare_decode_steps(loaded, runner, 1e-3)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from batchinfer.core.config import ENCODER_QUANTIZATIONS
 from batchinfer.models.files import read_json
 from batchinfer.models.hardware import resolve_device, resolve_dtype
-from batchinfer.models.linear_kernels import apply_kernels
+from batchinfer.models.linear_kernels import apply_kernels, native_available
 from batchinfer.models.loader import default_cache_dir
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
 
@@ -241,6 +241,11 @@ class Encoder:
         """Quantize a copy of the float model; keep it only if the probe sentences' vectors
         stay within `min_cosine` of the float model's (the copy costs one encoder's weights
         for the time of the check)."""
+        if quantization == "q8" and not native_available(self.device, self.dtype):
+            logger.warning("encoder %s: q8 weights run on the native CPU kernels (float32 on a "
+                           "CPU with a C compiler), not %s on %s: float weights kept",
+                           self.name, str(self.dtype).removeprefix("torch."), self.device)
+            return
         candidate = copy.deepcopy(self.model)
         plan = apply_kernels(candidate, quantization, kernels, self.device, self.dtype,
                              default_cache_dir(), allow_packed=prepack_weights)

@@ -362,8 +362,24 @@ class KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {chosen}"
 
 
+def set_int8_inputs(module: nn.Module) -> int:
+    """Let every native quantized kernel under `module` round the inputs of products of many
+    rows to 8 bits (`NativeLinear.int8_inputs`, `--prefill-activations int8`); returns how many
+    kernels take it: none where the library has no 8-bit path (no AVX-512 VNNI)."""
+    lib = native.library()
+    if lib is None or not lib.bi_act8():
+        return 0
+    kernels = {id(fn): fn for layer in module.modules() if isinstance(layer, KernelLinear)
+               for fn in layer._fns
+               if isinstance(fn, NativeLinear) and fn.struct.kind != native.F32}
+    for fn in kernels.values():
+        fn.int8_inputs = True
+    return len(kernels)
+
+
 def _family(kernel: str | None) -> str | None:
-    """Kernels of one family read the same weights (float; 4-bit groups; int8 per channel)."""
+    """Kernels of one family read the same weights (float; 4-bit groups; int8 per channel;
+    int8 in groups of 32)."""
     if kernel is None:
         return None
     return "float" if kernel in ("dense", "packed") else kernel.split("_")[0]
@@ -618,7 +634,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
     name) or, with `auto`, the fastest measured here. With quantized weights the sites named
     in `heads` (the LM head) are not 4-bit: their kernels are measured among the float ones and
     `HEAD_KERNELS` (8-bit groups), whatever `kernels` says. `native_decode`: every site of
-    q4 weights also gets its `q4_native` form, every float layer keeps its float32 weight, and
+    q4 weights also gets its `q4_native` form (int8: `int8_native`; q8: `q8_native`, its only
+    fast kernel anyway), every float layer keeps its float32 weight, and
     an `extra` head (a tied one, whose float weight stays anyway) its float32 form, for native
     decode steps (`KernelLinear.native`).
     `ValueError` names the knob when the kernel cannot run this weight form or device."""

@@ -133,6 +133,9 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
     lib.bi_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int]
     lib.bi_linear_forward.restype = ctypes.c_int
+    lib.bi_linear_forward8.argtypes = lib.bi_linear_forward.argtypes
+    lib.bi_linear_forward8.restype = ctypes.c_int
+    lib.bi_act8.restype = ctypes.c_int
     lib.bi_work_floats.argtypes = [ctypes.POINTER(Model), ctypes.c_int, ctypes.c_int]
     lib.bi_work_floats.restype = ctypes.c_int64
     lib.bi_decode.argtypes = [ctypes.POINTER(Model), ctypes.c_int, *[ctypes.c_void_p] * 8,
@@ -142,7 +145,7 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_float, ctypes.c_int]
-    lib.bi_packed_attention.restype = None
+    lib.bi_packed_attention.restype = ctypes.c_int
     logger.info("native CPU kernels loaded from %s (%s)", target,
                 "AVX-512" if lib.bi_avx512() else "portable C")
     return lib
@@ -159,12 +162,17 @@ def packed_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError("packed_attention takes float32 CPU rows of one shape and stride")
     if sum(lengths) != q.shape[0] or min(lengths, default=1) < 1:
         raise ValueError(f"lengths must be positive and add up to {q.shape[0]} rows")
+    if num_heads < 1 or q.shape[1] % num_heads:
+        raise ValueError(f"num_heads must divide the row width {q.shape[1]}, got {num_heads}")
     head_dim = q.shape[1] // num_heads
     out = torch.empty(q.shape, dtype=torch.float32)
+    if not lengths:
+        return out
     counts = torch.tensor(list(lengths), dtype=torch.int64)
     starts = counts.cumsum(0) - counts
-    lib.bi_packed_attention(len(lengths), starts.data_ptr(), counts.data_ptr(), max(lengths),
-                            num_heads, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                            q.stride(0), out.data_ptr(), out.stride(0), head_dim ** -0.5,
-                            torch.get_num_threads())
+    if lib.bi_packed_attention(len(lengths), starts.data_ptr(), counts.data_ptr(), max(lengths),
+                               num_heads, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               q.stride(0), out.data_ptr(), out.stride(0), head_dim ** -0.5,
+                               torch.get_num_threads()):
+        raise MemoryError("the native attention could not allocate its scratch")
     return out

@@ -477,6 +477,160 @@ int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, in
     return 0;
 }
 
+/* ---- 8-bit activations (opt-in, many rows) -------------------------------------------
+ *
+ * Rounding the input to 8-bit integers per group of 32 (largest |x| / 127, as llama.cpp's Q8
+ * activations and OpenVINO's dynamic quantization do) lets one `vpdpbusd` take four inputs
+ * against four weights of 16 outputs: twice `vpdpwssd`'s work per instruction. A group's
+ * weights are arranged into 32-bit lanes of four consecutive inputs once per block of rows:
+ * q4 as unsigned bytes (0..15) against signed inputs; q8 signed against the inputs stored
+ * unsigned (+128), the 128 x sum of the weights taken off again. The error per input is up to
+ * 1/254 of its group's largest, where the 16-bit rounding's is 1/65534. */
+#if BI_AVX512 && defined(__AVX512VNNI__)
+#define BI_ACT8 1
+
+/* Groups of one row into int8 (`flip`: stored as unsigned, +128), scales and float sums. */
+static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale, float *sum,
+                             int flip) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m128i bias = _mm_set1_epi8((char)0x80);
+    for (int g = 0; g < groups; g++) {
+        const __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
+        const float top = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        const __m512 inv = _mm512_set1_ps(top > TINY_GROUP ? 127.f / top : 0.f);
+        __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+        __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+        if (flip) {
+            qa = _mm_xor_si128(qa, bias);
+            qb = _mm_xor_si128(qb, bias);
+        }
+        _mm_storeu_si128((__m128i *)(q + g * GROUP), qa);
+        _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), qb);
+        scale[g] = top / 127.f;
+        sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+}
+
+/* R (1..4) rows of one group against its 8 four-input weight vectors `w` (q4: w[2m] holds
+ * inputs 4m..4m+3, w[2m+1] inputs 16+4m..; q8: w[m] inputs 4m..4m+3). */
+static inline __attribute__((always_inline)) void
+group_rows8(const __m512i *w, const int Q4, const int8_t *xq, const float *xs,
+            const float *xsum, int k, int groups, int g, int r0, const int R, __m512 s,
+            __m512 off, __m512i wsum128, float *acc) {
+    __m512i d[4], e[4];
+    const int32_t *xp[4];
+    for (int r = 0; r < R; r++) {
+        d[r] = e[r] = _mm512_setzero_si512();
+        xp[r] = (const int32_t *)(xq + (int64_t)(r0 + r) * k + g * GROUP);
+    }
+    for (int m = 0; m < 8; m += 2) {
+        const int i0 = Q4 ? m / 2 : m, i1 = Q4 ? m / 2 + 4 : m + 1;
+        for (int r = 0; r < R; r++) {
+            if (Q4) {
+                d[r] = _mm512_dpbusd_epi32(d[r], w[m], _mm512_set1_epi32(xp[r][i0]));
+                e[r] = _mm512_dpbusd_epi32(e[r], w[m + 1], _mm512_set1_epi32(xp[r][i1]));
+            } else {
+                d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(xp[r][i0]), w[m]);
+                e[r] = _mm512_dpbusd_epi32(e[r], _mm512_set1_epi32(xp[r][i1]), w[m + 1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (int64_t)(r0 + r) * groups + g;
+        __m512i dot = _mm512_add_epi32(d[r], e[r]);
+        if (!Q4) dot = _mm512_sub_epi32(dot, wsum128);
+        float *a = acc + (r0 + r) * TILE_Q;
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_mul_ps(s, _mm512_set1_ps(xs[at])), _mm512_loadu_ps(a));
+        if (Q4) v = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum[at]), v);
+        _mm512_storeu_ps(a, v);
+    }
+}
+
+/* One tile for up to BLOCK_ROWS rows of 8-bit inputs (see quant_tile_rows_kind). */
+static inline __attribute__((always_inline)) void
+quant_tile_rows8_kind(const bi_linear *l, const int Q4, int tile, const int8_t *xq,
+                      const float *xs, const float *xsum, int rows, float *y, int64_t ldy) {
+    const int groups = num_groups(l), k = l->k;
+    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
+    const uint8_t *wt = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes;
+    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q;
+    const float *offs = Q4 ? l->offset + (int64_t)tile * groups * TILE_Q : NULL;
+    const __m512i nibbles = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+    float acc[BLOCK_ROWS * TILE_Q] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * rows * TILE_Q);
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = wt + g * chunk_bytes;
+        __m512i w[8], wsum128 = _mm512_setzero_si512();
+        for (int m = 0; m < (Q4 ? 4 : 8); m++) {
+            /* lane j: output j's 16-bit pair from chunk 2m, then chunk 2m + 1's */
+            const __m512i v = _mm512_or_si512(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wg + 64 * m))),
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(wg + 64 * m + 32))), 16));
+            if (Q4) {
+                w[2 * m] = _mm512_and_si512(v, nibbles);
+                w[2 * m + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
+            } else {
+                w[m] = v;
+                wsum128 = _mm512_dpbusd_epi32(wsum128, ones, v);
+            }
+        }
+        if (!Q4) wsum128 = _mm512_slli_epi32(wsum128, 7);
+        const __m512 s = _mm512_loadu_ps(sc + g * TILE_Q);
+        const __m512 off = Q4 ? _mm512_loadu_ps(offs + g * TILE_Q) : _mm512_setzero_ps();
+        int r0 = 0;
+        for (; r0 + 4 <= rows; r0 += 4)
+            group_rows8(w, Q4, xq, xs, xsum, k, groups, g, r0, 4, s, off, wsum128, acc);
+        for (; r0 < rows; r0++)
+            group_rows8(w, Q4, xq, xs, xsum, k, groups, g, r0, 1, s, off, wsum128, acc);
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
+    for (int r = 0; r < rows; r++)
+        finish16(y + r * ldy + tile * TILE_Q, _mm512_load_ps(acc + r * TILE_Q), bias, 0);
+}
+#else
+#define BI_ACT8 0
+#endif
+
+int bi_act8(void) { return BI_ACT8; }
+
+/* bi_linear_forward with the inputs rounded to 8 bits where that path exists (AVX-512 VNNI,
+ * quantized weights, at least BLOCK_ROWS rows per thread); elsewhere bi_linear_forward. */
+int bi_linear_forward8(const bi_linear *l, int rows, const float *x, float *y, int threads) {
+#if BI_ACT8
+    if (l->kind != BI_F32 && rows >= BLOCK_ROWS * threads) {
+        const int groups = num_groups(l), k = l->k, q4 = l->kind == BI_Q4;
+        void *scratch = malloc((size_t)rows * (k + 2 * groups * sizeof(float)) + 64);
+        if (!scratch) return -1;
+        float *xs = (float *)scratch, *xsum = xs + (int64_t)rows * groups;
+        int8_t *xq = (int8_t *)(xsum + (int64_t)rows * groups);
+        const int blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS, tiles = l->n / TILE_Q;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int b = 0; b < blocks; b++) {
+            const int r0 = b * BLOCK_ROWS;
+            const int rr = rows - r0 < BLOCK_ROWS ? rows - r0 : BLOCK_ROWS;
+            for (int r = r0; r < r0 + rr; r++)
+                quantize_groups8(x + (int64_t)r * k, groups, xq + (int64_t)r * k,
+                                 xs + (int64_t)r * groups, xsum + (int64_t)r * groups, !q4);
+            for (int t = 0; t < tiles; t++) {
+                float *yb = y + (int64_t)r0 * l->n;
+                const int8_t *qb = xq + (int64_t)r0 * k;
+                const float *sb = xs + (int64_t)r0 * groups, *ub = xsum + (int64_t)r0 * groups;
+                if (q4)
+                    quant_tile_rows8_kind(l, 1, t, qb, sb, ub, rr, yb, l->n);
+                else
+                    quant_tile_rows8_kind(l, 0, t, qb, sb, ub, rr, yb, l->n);
+            }
+        }
+        free(scratch);
+        return 0;
+    }
+#endif
+    return bi_linear_forward(l, rows, x, y, threads);
+}
+
 /* ---- the decode step ------------------------------------------------------------------ */
 
 static void rms_norm(const float *x, const float *w, int hidden, float eps, float *out) {
@@ -1111,15 +1265,19 @@ static void sentence_rows(const float *q, const float *v, int64_t ld, float *out
 }
 
 /* Attention of `num_seqs` packed sentences (token `starts[s]`, `lengths[s]` tokens each,
- * `longest` the largest), `heads` heads of size `d`, scores scaled by `scale`. */
-void bi_packed_attention(int num_seqs, const int64_t *starts, const int64_t *lengths,
+ * `longest` the largest), `heads` heads of size `d`, scores scaled by `scale`. Returns 0, or
+ * -1 when a thread's scratch cannot be had (nothing is then written). */
+int bi_packed_attention(int num_seqs, const int64_t *starts, const int64_t *lengths,
                          int longest, int heads, int d, const float *q, const float *k,
                          const float *v, int64_t ld, float *out, int64_t ldo, float scale,
                          int threads) {
     const int64_t ldk = (longest + 15) / 16 * 16 + 16;
+    const size_t per_thread = sizeof(float) * (size_t)(d + QROWS) * ldk;  /* a multiple of 64 */
+    float *scratch = aligned_alloc(64, per_thread * (size_t)threads);
+    if (!scratch) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        float *kt = aligned_alloc(64, sizeof(float) * (size_t)(d + QROWS) * ldk);
+        float *kt = scratch + per_thread / sizeof(float) * omp_get_thread_num();
         float *scores = kt + (int64_t)d * ldk;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < num_seqs * heads; task++) {
@@ -1140,6 +1298,7 @@ void bi_packed_attention(int num_seqs, const int64_t *starts, const int64_t *len
             for (; r < n; r++)
                 sentence_rows(qs, vs, ld, os, ldo, r, 1, kt, ldk, n, d, scores);
         }
-        free(kt);
     }
+    free(scratch);
+    return 0;
 }

@@ -21,7 +21,12 @@ class NativeLinear:
     """`y = x @ W.T + b` by `bi_linear_forward`, for float32 CPU inputs `[..., k]`.
 
     Holds the tensors its `struct` points into; `struct` is what the fused decode step reads.
+    `int8_inputs`: products of many rows (32 a thread and more: prefill chunks) round the
+    inputs to 8 bits per group of 32 rather than 16, where the CPU has AVX-512 VNNI
+    (`bi_linear_forward8`); set by `set_int8_inputs`.
     """
+
+    int8_inputs = False
 
     def __init__(self, lib: ctypes.CDLL, kind: int, n: int, k: int,
                  tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> None:
@@ -43,7 +48,9 @@ class NativeLinear:
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
-        if rows.shape[0] and self.lib.bi_linear_forward(
+        forward = self.lib.bi_linear_forward8 if self.int8_inputs else \
+            self.lib.bi_linear_forward
+        if rows.shape[0] and forward(
                 ctypes.byref(self.struct), rows.shape[0], rows.data_ptr(), out.data_ptr(),
                 torch.get_num_threads()):
             raise MemoryError("the native linear could not allocate its scratch")

@@ -13,7 +13,8 @@ step measured faster than the torch one at start-up (`choose_buckets`: a few dum
 steps each way, at the bucket's probe rows; the answer is cached like the kernel choice, so a
 restart measures nothing). Every linear needs a native form at that bucket: its chosen
 kernel's, or one kept for decode steps that reads the same weights (`q4_native` beside torch's
-4-bit kernels, `int8_native` beside its int8 ones, the float32 weight beside `packed`). Other
+4-bit kernels, `int8_native` beside its int8 ones, `q8_native` for q8 weights, the float32
+weight beside `packed`). Other
 steps (prefill chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
 a float32 cache in the block-rows layout (`cpu_sparse`, `gather`); `NativeDecoder.build` says
 why not otherwise. The two paths compute the same function (the same weights; the native

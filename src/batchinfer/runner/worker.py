@@ -28,7 +28,7 @@ from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.hardware import resolve_device, resolve_dtype
-from batchinfer.models.linear_kernels import KernelPlan
+from batchinfer.models.linear_kernels import KernelPlan, set_int8_inputs
 from batchinfer.models.llama import ModelSpec
 from batchinfer.models.loader import LoadedModel, default_cache_dir, load_model
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
@@ -71,6 +71,10 @@ class Worker:
             config.prepack_weights, config.native_decode)
         logger.info("linear kernels (%s; weights %s): %s", kernels.source, config.quantization,
                     kernels.describe())
+        if config.prefill_activations == "int8":
+            count = set_int8_inputs(loaded.model)
+            logger.info("prefill activations int8: %d native linears (of products of 32+ rows a "
+                        "thread)", count)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
         activation_bytes = None
         if device.type == "cuda":
