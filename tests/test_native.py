@@ -117,8 +117,18 @@ def _act8_reference(x, w_int, scale, offset, bias):
 
 def test_8_bit_inputs_compute_the_rounded_product(lib):
     """`prefill_activations int8` (where the CPU has AVX-512 VNNI): products of many rows
-    round each input group to 8 bits, which moves them off the 16-bit results but exactly
-    onto what the rounding implies; few rows keep 16 bits. Elsewhere nothing changes."""
+    (32 a thread; one thread here) round each input group to 8 bits, which moves them off the
+    16-bit results but exactly onto what the rounding implies; few rows keep 16 bits.
+    Elsewhere nothing changes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_8_bit_inputs(lib)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_8_bit_inputs(lib):
     w, b = weights(48, 96)
     q4, pairs = quantize_q4(w)
     q4_scale, q4_offset = q4_affine(pairs)
@@ -134,8 +144,7 @@ def test_8_bit_inputs_compute_the_rounded_product(lib):
             kernel.int8_inputs = True
             got = kernel(x)
             kernel.int8_inputs = False
-            many = rows >= 32 * torch.get_num_threads()
-            if lib.bi_act8() and many:
+            if lib.bi_act8() and rows >= 32:
                 assert relative_error(got, _act8_reference(x, w_int, scale, offset, b)) < 1e-5
                 assert relative_error(got, wide) > 1e-4  # really 8 bits
             else:
@@ -343,6 +352,27 @@ def test_the_engine_decodes_the_same_tokens_natively(lib, tmp_path, monkeypatch)
         batch = llm.generate(prompts, params, use_tqdm=False)
         outputs[on] = [o.outputs[0].token_ids for o in single + batch]
     assert outputs[True] == outputs[False]
+
+
+def test_8_bit_prefill_inputs_reach_the_layers_but_not_the_head(lib, tmp_path, monkeypatch):
+    """`prefill_activations int8`: every decoder layer's native kernel takes 8-bit inputs, the
+    LM head's 8-bit form does not; a long prompt (its prefill a product of many rows) still
+    decodes; an unknown value is refused, naming the knob."""
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    folder = make_tiny_llama(tmp_path)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20, quantization="q4",
+              linear_kernels="q4_native", prefill_activations="int8")
+    model = llm.engine.worker.loaded.model
+    layer = model.layers[0].mlp.gate_up_proj
+    assert all(fn.int8_inputs == bool(lib.bi_act8()) for fn in layer._fns)
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        assert not any(getattr(fn, "int8_inputs", False) for fn in head._fns)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = llm.generate([[5, 17, 33, 8] * 40], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="prefill_activations"):
+        LLM(str(folder), prefill_activations="int4")
 
 
 def test_decoder_describes_its_buckets(lib, tmp_path):

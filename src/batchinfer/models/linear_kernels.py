@@ -362,14 +362,16 @@ class KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {chosen}"
 
 
-def set_int8_inputs(module: nn.Module) -> int:
-    """Let every native quantized kernel under `module` round the inputs of products of many
-    rows to 8 bits (`NativeLinear.int8_inputs`, `--prefill-activations int8`); returns how many
-    kernels take it: none where the library has no 8-bit path (no AVX-512 VNNI)."""
+def set_int8_inputs(module: nn.Module, skip: Collection[str] = ("lm_head",)) -> int:
+    """Let every native quantized kernel under `module`, but those of the sites named in
+    `skip` (the LM head: its rounding moves every logit at once), round the inputs of products
+    of many rows to 8 bits (`NativeLinear.int8_inputs`, `--prefill-activations int8`); returns
+    how many kernels take it: none where the library has no 8-bit path (no AVX-512 VNNI)."""
     lib = native.library()
     if lib is None or not lib.bi_act8():
         return 0
-    kernels = {id(fn): fn for layer in module.modules() if isinstance(layer, KernelLinear)
+    kernels = {id(fn): fn for name, layer in module.named_modules()
+               if isinstance(layer, KernelLinear) and name not in skip
                for fn in layer._fns
                if isinstance(fn, NativeLinear) and fn.struct.kind != native.F32}
     for fn in kernels.values():

@@ -21,9 +21,10 @@ class NativeLinear:
     """`y = x @ W.T + b` by `bi_linear_forward`, for float32 CPU inputs `[..., k]`.
 
     Holds the tensors its `struct` points into; `struct` is what the fused decode step reads.
-    `int8_inputs`: products of many rows (32 a thread and more: prefill chunks) round the
-    inputs to 8 bits per group of 32 rather than 16, where the CPU has AVX-512 VNNI
-    (`bi_linear_forward8`); set by `set_int8_inputs`.
+    `int8_inputs`: products of many rows (32 a thread and more: prefill chunks, and decode
+    steps of that many sequences that the torch model runs) round the inputs to 8 bits per
+    group of 32 rather than 16, where the CPU has AVX-512 VNNI (`bi_linear_forward8`); set by
+    `set_int8_inputs`.
     """
 
     int8_inputs = False

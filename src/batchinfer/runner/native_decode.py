@@ -116,8 +116,9 @@ class NativeDecoder:
 
     def cache_key(self, fits: tuple[bool, ...]) -> str:
         """What the native-vs-torch choice depends on: machine, torch, threads, the model's
-        shape, the cache's block size, every linear's kernels and native forms, and which
-        probes (`fits`) the cache can hold."""
+        shape, the cache's block size, every linear's kernels and native forms (and whether
+        their torch-side products take 8-bit inputs), and which probes (`fits`) the cache can
+        hold."""
         linears = [m for m in self.model.modules() if isinstance(m, KernelLinear)]
         facts = {
             "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
@@ -125,6 +126,9 @@ class NativeDecoder:
             "block_size": self.backend.block_size, "source": native.source_digest(),
             "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
                                for m in linears}),
+            # 8-bit inputs (`--prefill-activations int8`) speed up the torch side's products
+            "int8_inputs": any(getattr(fn, "int8_inputs", False) for m in linears
+                               for fn in m._fns),
             "probe": [PROBE_ROWS, PROBE_CONTEXT, PROBE_STEPS], "fits": list(fits),
         }
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
