@@ -363,6 +363,7 @@ def test_8_bit_prefill_inputs_reach_the_layers_but_not_the_head(lib, tmp_path, m
     llm = LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20, quantization="q4",
               linear_kernels="q4_native", prefill_activations="int8")
     model = llm.engine.worker.loaded.model
+    assert (llm.engine.worker.int8_input_linears > 0) == bool(lib.bi_act8())
     layer = model.layers[0].mlp.gate_up_proj
     assert all(fn.int8_inputs == bool(lib.bi_act8()) for fn in layer._fns)
     head = getattr(model, "lm_head", None)

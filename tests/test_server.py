@@ -488,6 +488,7 @@ def test_api_key(small_server):
     assert len(models) == 2
     (generator,) = [m for m in models if "native_decode" in m]  # the encoder has none
     assert set(generator["native_decode"]) <= {"1", "2-8", "9-32", "33+"}
+    assert generator["prefill_activations"] == "int16"  # the default
 
 
 def test_embeddings_only():

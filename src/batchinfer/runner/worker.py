@@ -57,6 +57,8 @@ class Worker:
     preemption_costs: PreemptionCosts | None = None
     # The linear kernels chosen per weight shape and row bucket (measured, cached or forced).
     linear_kernels: KernelPlan | None = None
+    # Native kernels whose many-row products take 8-bit inputs (`prefill_activations int8`).
+    int8_input_linears: int = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Worker:
@@ -71,10 +73,11 @@ class Worker:
             config.prepack_weights, config.native_decode)
         logger.info("linear kernels (%s; weights %s): %s", kernels.source, config.quantization,
                     kernels.describe())
+        int8_linears = 0
         if config.prefill_activations == "int8":
-            count = set_int8_inputs(loaded.model)
+            int8_linears = set_int8_inputs(loaded.model)
             logger.info("prefill activations int8: %d native linears (of products of 32+ rows a "
-                        "thread)", count)
+                        "thread; 0: no AVX-512 VNNI or no native kernel chosen)", int8_linears)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
         activation_bytes = None
         if device.type == "cuda":
@@ -111,7 +114,7 @@ class Worker:
                                              max_model_len, loaded.spec.vocab_size)
             logger.info("preemption costs measured: %s", costs.describe())
         return cls(config, device, dtype, kv_dtype, loaded, runner, num_blocks, max_model_len,
-                   activation_bytes, num_swap_blocks, costs, kernels)
+                   activation_bytes, num_swap_blocks, costs, kernels, int8_linears)
 
     # The facts the engine reads (see `engine.llm_engine.ModelWorker`).
     @property
