@@ -392,7 +392,9 @@ def test_a_killed_ray_data_actor_has_its_batch_retried(cluster: dict[str, str], 
                                                        tmp_path: Path) -> None:
     from batchinfer.integrations.ray_data import run_batch_ray
 
-    source = lines_file(tmp_path / "in.jsonl", 40, tokens=150)
+    # Enough lines that the run outlasts the kill by a margin (decode steps of this tiny model
+    # take a fraction of a millisecond natively: 40 lines could finish before it).
+    source = lines_file(tmp_path / "in.jsonl", 120, tokens=150)
     config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=2,
                                       kv_cache_memory="16M", seed=0)
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
@@ -413,7 +415,7 @@ def test_a_killed_ray_data_actor_has_its_batch_retried(cluster: dict[str, str], 
 
     def kill_one() -> None:
         pids = wait_for(workers, timeout_s=60, what="a Ray Data actor")
-        time.sleep(1.0)  # inside its first batches
+        time.sleep(0.5)  # inside its first batches
         os.kill(pids[0], signal.SIGKILL)
         killed.append(not finished.is_set())
 
