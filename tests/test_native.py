@@ -151,19 +151,24 @@ def _check_8_bit_inputs(lib):
                 assert torch.equal(got, wide)
 
 
-def _per_sentence_sdpa(q, k, v, lengths, heads):
-    out, start = [], 0
-    for n in lengths:
-        q_s, k_s, v_s = (t[start:start + n].reshape(n, heads, -1).transpose(0, 1)
+def _per_sentence_sdpa(q, k, v, lengths, heads, starts=None, causal=False, scale=None):
+    out = []
+    starts = starts or [sum(lengths[:i]) for i in range(len(lengths))]
+    for start, n in zip(starts, lengths, strict=True):
+        q_s, k_s, v_s = (t[start:start + n].reshape(n, -1, q.shape[1] // heads).transpose(0, 1)
                          for t in (q, k, v))
-        out.append(F.scaled_dot_product_attention(q_s, k_s, v_s).transpose(0, 1).reshape(n, -1))
-        start += n
+        attended = F.scaled_dot_product_attention(q_s[None], k_s[None], v_s[None],
+                                                  is_causal=causal, scale=scale,
+                                                  enable_gqa=True)[0]
+        out.append(attended.transpose(0, 1).reshape(n, -1))
     return torch.cat(out)
 
 
 def check_packed_attention(lib):
     """Sentences of 1 to 130 tokens (partial and whole blocks of 64 keys, query rows in fours
-    and a remainder), in no particular order, as views of one fused projection."""
+    and a remainder), in no particular order, as views of one fused projection: unmasked with
+    as many KV heads as query heads (encoders), and causal with fewer KV heads, at given rows
+    of a larger batch (a step's first prefill chunks), leaving the other rows alone."""
     lengths = [5, 1, 130, 64, 3, 17, 66, 4]
     g = torch.Generator().manual_seed(3)
     for heads, head_dim in ((3, 32), (2, 64), (4, 24)):  # vectorized sizes, and any other
@@ -172,9 +177,22 @@ def check_packed_attention(lib):
         q, k, v = qkv[:, :width], qkv[:, width:2 * width], qkv[:, 2 * width:]
         got = native.packed_attention(lib, q, k, v, lengths, heads)
         want = _per_sentence_sdpa(q, k, v, lengths, heads)
-        assert (got - want).abs().max() < 1e-5, head_dim
+        assert relative_error(got, want) < 1e-5, head_dim
+    for heads, kv_heads, head_dim in ((6, 2, 64), (4, 1, 32), (3, 3, 24)):
+        total = sum(lengths) + 9
+        qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=g) * 2
+        q = qkv[:, :heads * head_dim].contiguous()  # a separate tensor, as after RoPE
+        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim]
+        v = qkv[:, (heads + kv_heads) * head_dim:]
+        starts = [9 + sum(lengths[:i]) for i in range(len(lengths))]
+        out = torch.full((total, heads * head_dim), 7.0)
+        native.packed_attention(lib, q, k, v, lengths, heads, starts=starts, causal=True,
+                                scale=0.3, out=out)
+        want = _per_sentence_sdpa(q, k, v, lengths, heads, starts, causal=True, scale=0.3)
+        assert relative_error(out[9:], want) < 1e-5, (heads, kv_heads, head_dim)
+        assert bool((out[:9] == 7.0).all())  # rows outside the sentences untouched
     with pytest.raises(ValueError, match="lengths"):
-        native.packed_attention(lib, q, k, v, [1, 2], heads)
+        native.packed_attention(lib, q, k, v, [total + 1], heads)
 
 
 def test_packed_attention_equals_per_sentence_sdpa(lib):

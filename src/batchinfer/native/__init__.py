@@ -143,8 +143,9 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
     lib.bi_decode.restype = None
     lib.bi_packed_attention.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+        ctypes.c_int, ctypes.c_int]
     lib.bi_packed_attention.restype = ctypes.c_int
     logger.info("native CPU kernels loaded from %s (%s)", target,
                 "AVX-512" if lib.bi_avx512() else "portable C")
@@ -152,27 +153,48 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
 
 
 def packed_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     lengths: Sequence[int], num_heads: int) -> torch.Tensor:
-    """Unmasked self-attention of sentences lying end to end (`lengths` tokens each) in
-    float32 CPU rows `q`, `k`, `v` `[T, num_heads * head_dim]` (one row stride, such as views
-    of one fused projection): `[T, num_heads * head_dim]`, each sentence attending to itself
-    only, scores scaled by 1/sqrt(head_dim)."""
-    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()
-            and q.stride(1) == 1 and q.dtype == torch.float32 and q.device.type == "cpu"):
-        raise ValueError("packed_attention takes float32 CPU rows of one shape and stride")
-    if sum(lengths) != q.shape[0] or min(lengths, default=1) < 1:
-        raise ValueError(f"lengths must be positive and add up to {q.shape[0]} rows")
+                     lengths: Sequence[int], num_heads: int, *,
+                     starts: Sequence[int] | None = None, causal: bool = False,
+                     scale: float | None = None, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """Self-attention of sentences in float32 CPU rows: `q` `[T, num_heads * head_dim]`, `k`
+    and `v` `[T, kv_heads * head_dim]` (each with its own row stride, heads side by side in a
+    row: views of one fused projection do), sentence s the `lengths[s]` rows from `starts[s]`
+    (default: end to end from row 0). Each row attends to its sentence's rows, unmasked or
+    (`causal`) up to itself; query head h reads KV head h // (num_heads // kv_heads); scores
+    scaled by `scale` (default 1/sqrt(head_dim)). Written into `out` (a new `[T, num_heads *
+    head_dim]` tensor by default; rows outside the sentences are left as they are)."""
+    tensors = (q, k, v) if out is None else (q, k, v, out)
+    if not all(t.dim() == 2 and t.stride(1) == 1 and t.dtype == torch.float32
+               and t.device.type == "cpu" for t in tensors) or k.shape != v.shape \
+            or k.shape[0] != q.shape[0]:
+        raise ValueError("packed_attention takes float32 CPU rows: q [T, heads * d], k and v "
+                         "[T, kv_heads * d]")
     if num_heads < 1 or q.shape[1] % num_heads:
         raise ValueError(f"num_heads must divide the row width {q.shape[1]}, got {num_heads}")
     head_dim = q.shape[1] // num_heads
-    out = torch.empty(q.shape, dtype=torch.float32)
-    if not lengths:
-        return out
+    kv_heads = k.shape[1] // head_dim
+    if kv_heads < 1 or k.shape[1] % head_dim or num_heads % kv_heads:
+        raise ValueError(f"k and v rows of {k.shape[1]} do not hold KV heads of {head_dim} "
+                         f"that divide {num_heads} query heads")
     counts = torch.tensor(list(lengths), dtype=torch.int64)
-    starts = counts.cumsum(0) - counts
-    if lib.bi_packed_attention(len(lengths), starts.data_ptr(), counts.data_ptr(), max(lengths),
-                               num_heads, head_dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                               q.stride(0), out.data_ptr(), out.stride(0), head_dim ** -0.5,
+    begins = counts.cumsum(0) - counts if starts is None else \
+        torch.tensor(list(starts), dtype=torch.int64)
+    if min(lengths, default=1) < 1 or len(begins) != len(counts) or (
+            len(counts) and int((begins + counts).max()) > q.shape[0]) or (
+            len(counts) and int(begins.min()) < 0):
+        raise ValueError(f"lengths must be positive and lie within the {q.shape[0]} rows")
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+    elif out.shape != q.shape:
+        raise ValueError("out must have q's shape")
+    if not len(counts):
+        return out
+    if lib.bi_packed_attention(len(counts), begins.data_ptr(), counts.data_ptr(),
+                               int(counts.max()), num_heads, kv_heads, head_dim, q.data_ptr(),
+                               q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                               v.stride(0), out.data_ptr(), out.stride(0),
+                               head_dim ** -0.5 if scale is None else scale, int(causal),
                                torch.get_num_threads()):
         raise MemoryError("the native attention could not allocate its scratch")
     return out

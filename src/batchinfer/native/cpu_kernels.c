@@ -1090,21 +1090,24 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
     }
 }
 
-/* ---- Self-attention of packed sentences (encoders) ---------------------------------------
+/* ---- Self-attention of packed sentences (encoders; first prefill chunks) ------------------
  *
  * Sentences lie end to end in one row of tokens (no padding); each attends to itself only,
- * with no mask. q, k, v: `[T][heads * d]` rows `ld` floats apart (separate tensors, or views
- * of one fused projection); out: `[T][heads * d]`, rows `ldo` floats apart. One task per
- * (sentence, head), longest sentences first; a task copies its keys transposed and scaled
+ * unmasked (encoders) or causally (a prompt's first chunk, whose context is its own tokens).
+ * One task per (sentence, head), longest sentences first; a task copies its keys transposed and scaled
  * (`[d][L]`, rows padded to 16) so that a block of query rows scores 64 keys per pass with
  * every product in registers, then multiplies the row's probabilities with the values in
  * place. Scratch per thread: `d * (L + 16) + QROWS * (L + 16)` floats for the longest L. */
 #define QROWS 4
 
-/* exp(s - max) in place for each of R score rows; inv[r]: 1 / their sum. */
-static void softmax_rows(float *scores, int64_t lds, int R, int n, float *inv) {
+/* exp(s - max) in place over the first valid[r] of each of R score rows, zeros from there to
+ * n_all; inv[r]: 1 / their sum. */
+static void softmax_rows(float *scores, int64_t lds, int R, const int *valid, int n_all,
+                         float *inv) {
     for (int r = 0; r < R; r++) {
         float *s = scores + r * lds, best = -INFINITY;
+        const int n = valid[r];
+        if (n < n_all) memset(s + n, 0, sizeof(float) * (n_all - n));
         int j = 0;
 #if BI_AVX512
         __m512 m = _mm512_set1_ps(-INFINITY);
@@ -1195,11 +1198,11 @@ sentence_values(const float *p, int64_t lds, const int R, const float *v, int64_
 /* sentence_rows' AVX-512 body for a head size D and R rows known at compile time. */
 static inline __attribute__((always_inline)) void
 sentence_rows_fixed(const float *const *qr, const int R, const float *v, int64_t ld,
-                    const float *kt, int64_t ldk, int n, const int D, float *scores,
-                    float *const *outr) {
+                    const float *kt, int64_t ldk, int n, const int *valid, const int D,
+                    float *scores, float *const *outr) {
     float inv[QROWS];
     sentence_scores(qr, R, kt, ldk, n, D, scores, ldk);
-    softmax_rows(scores, ldk, R, n, inv);
+    softmax_rows(scores, ldk, R, valid, n, inv);
     sentence_values(scores, ldk, R, v, ld, n, D, inv, outr);
 }
 #endif
@@ -1235,68 +1238,76 @@ static void sentence_values_any(const float *p, int64_t lds, int R, const float 
     }
 }
 
-/* Rows [r0, r0 + R) of one (sentence, head): scores, softmax, values (R: QROWS or 1). */
-static void sentence_rows(const float *q, const float *v, int64_t ld, float *out, int64_t ldo,
-                          int r0, int R, const float *kt, int64_t ldk, int n, int d,
-                          float *scores) {
+/* Rows [r0, r0 + R) of one (sentence, head) over its first n keys (R: QROWS or 1; causal:
+ * row r sees keys [0, r]): scores, softmax, values. q rows `ldq` apart, v rows `ldv`. */
+static void sentence_rows(const float *q, int64_t ldq, const float *v, int64_t ldv, float *out,
+                          int64_t ldo, int r0, int R, const float *kt, int64_t ldk, int n,
+                          int causal, int d, float *scores) {
     const float *qr[QROWS];
     float *outr[QROWS];
+    int valid[QROWS];
+    if (causal && r0 + R < n) n = r0 + R;  /* no row of the block sees past its last */
     for (int r = 0; r < R; r++) {
-        qr[r] = q + (r0 + r) * ld;
+        qr[r] = q + (r0 + r) * ldq;
         outr[r] = out + (r0 + r) * ldo;
+        valid[r] = causal ? r0 + r + 1 : n;
     }
 #if BI_AVX512
     if (d == 32 || d == 64) {
         if (R == QROWS && d == 32)
-            sentence_rows_fixed(qr, QROWS, v, ld, kt, ldk, n, 32, scores, outr);
+            sentence_rows_fixed(qr, QROWS, v, ldv, kt, ldk, n, valid, 32, scores, outr);
         else if (R == QROWS)
-            sentence_rows_fixed(qr, QROWS, v, ld, kt, ldk, n, 64, scores, outr);
+            sentence_rows_fixed(qr, QROWS, v, ldv, kt, ldk, n, valid, 64, scores, outr);
         else if (d == 32)
-            sentence_rows_fixed(qr, 1, v, ld, kt, ldk, n, 32, scores, outr);
+            sentence_rows_fixed(qr, 1, v, ldv, kt, ldk, n, valid, 32, scores, outr);
         else
-            sentence_rows_fixed(qr, 1, v, ld, kt, ldk, n, 64, scores, outr);
+            sentence_rows_fixed(qr, 1, v, ldv, kt, ldk, n, valid, 64, scores, outr);
         return;
     }
 #endif
     float inv[QROWS];
     sentence_scores_any(qr, R, kt, ldk, n, d, scores, ldk);
-    softmax_rows(scores, ldk, R, n, inv);
-    sentence_values_any(scores, ldk, R, v, ld, n, d, inv, outr);
+    softmax_rows(scores, ldk, R, valid, n, inv);
+    sentence_values_any(scores, ldk, R, v, ldv, n, d, inv, outr);
 }
 
 /* Attention of `num_seqs` packed sentences (token `starts[s]`, `lengths[s]` tokens each,
- * `longest` the largest), `heads` heads of size `d`, scores scaled by `scale`. Returns 0, or
- * -1 when a thread's scratch cannot be had (nothing is then written). */
+ * `longest` the largest): `heads` query heads of size `d` over `kv_heads` key/value heads
+ * (query head h reads KV head h / (heads / kv_heads)), scores scaled by `scale`, each token
+ * seeing its whole sentence, or (`causal`) itself and the tokens before it. q, k, v, out: rows
+ * `ldq`, `ldk`, `ldv`, `ldo` floats apart, heads side by side in a row. Returns 0, or -1 when
+ * the scratch cannot be had (nothing is then written). */
 int bi_packed_attention(int num_seqs, const int64_t *starts, const int64_t *lengths,
-                         int longest, int heads, int d, const float *q, const float *k,
-                         const float *v, int64_t ld, float *out, int64_t ldo, float scale,
-                         int threads) {
-    const int64_t ldk = (longest + 15) / 16 * 16 + 16;
-    const size_t per_thread = sizeof(float) * (size_t)(d + QROWS) * ldk;  /* a multiple of 64 */
+                        int longest, int heads, int kv_heads, int d, const float *q,
+                        int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv,
+                        float *out, int64_t ldo, float scale, int causal, int threads) {
+    const int64_t ldt = (longest + 15) / 16 * 16 + 16;  /* a transposed key row */
+    const size_t per_thread = sizeof(float) * (size_t)(d + QROWS) * ldt;  /* a multiple of 64 */
+    const int group = heads / kv_heads;
     float *scratch = aligned_alloc(64, per_thread * (size_t)threads);
     if (!scratch) return -1;
 #pragma omp parallel num_threads(threads)
     {
         float *kt = scratch + per_thread / sizeof(float) * omp_get_thread_num();
-        float *scores = kt + (int64_t)d * ldk;
+        float *scores = kt + (int64_t)d * ldt;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < num_seqs * heads; task++) {
             const int s = num_seqs - 1 - task / heads, h = task % heads;  /* longest first */
             const int n = (int)lengths[s];
-            const int64_t t0 = starts[s], col = (int64_t)h * d;
+            const int64_t t0 = starts[s], kv_col = (int64_t)(h / group) * d;
             const int padded = (n + 15) / 16 * 16;
-            for (int c = 0; c < d; c++) memset(kt + c * ldk + n, 0, sizeof(float) * (padded - n));
+            for (int c = 0; c < d; c++) memset(kt + c * ldt + n, 0, sizeof(float) * (padded - n));
             for (int j = 0; j < n; j++) {
-                const float *kj = k + (t0 + j) * ld + col;
-                for (int c = 0; c < d; c++) kt[c * ldk + j] = kj[c] * scale;
+                const float *kj = k + (t0 + j) * ldk + kv_col;
+                for (int c = 0; c < d; c++) kt[c * ldt + j] = kj[c] * scale;
             }
-            const float *qs = q + t0 * ld + col, *vs = v + t0 * ld + col;
-            float *os = out + t0 * ldo + col;
+            const float *qs = q + t0 * ldq + (int64_t)h * d, *vs = v + t0 * ldv + kv_col;
+            float *os = out + t0 * ldo + (int64_t)h * d;
             int r = 0;
             for (; r + QROWS <= n; r += QROWS)
-                sentence_rows(qs, vs, ld, os, ldo, r, QROWS, kt, ldk, n, d, scores);
+                sentence_rows(qs, ldq, vs, ldv, os, ldo, r, QROWS, kt, ldt, n, causal, d, scores);
             for (; r < n; r++)
-                sentence_rows(qs, vs, ld, os, ldo, r, 1, kt, ldk, n, d, scores);
+                sentence_rows(qs, ldq, vs, ldv, os, ldo, r, 1, kt, ldt, n, causal, d, scores);
         }
     }
     free(scratch);
