@@ -102,10 +102,9 @@ def _native_first_chunks(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                              for t in (out, q, k, v)):
         return False
     lib = native.library()
-    rows = [_as_rows(t) for t in (out, q, k, v)]
-    if lib is None or any(r is None for r in rows):
+    out_rows, q_rows, k_rows, v_rows = (_as_rows(t) for t in (out, q, k, v))
+    if lib is None or out_rows is None or q_rows is None or k_rows is None or v_rows is None:
         return False
-    out_rows, q_rows, k_rows, v_rows = rows
     native.packed_attention(lib, q_rows, k_rows, v_rows, [c.end - c.start for c in firsts],
                             q.shape[1], starts=[c.start for c in firsts], causal=True,
                             scale=scale, out=out_rows)
