@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -72,6 +73,9 @@ class Model(ctypes.Structure):
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+# `library()`'s answer for the default folder, by the environment that names the folder: the
+# prefill attention asks once a layer, so the common call is a dictionary lookup.
+_by_env: dict[tuple[str | None, str | None], ctypes.CDLL | None] = {}
 
 
 def compiler() -> str | None:
@@ -89,6 +93,9 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """The built library (building it on first use), or None where it cannot be had."""
     if os.environ.get("BATCHINFER_NATIVE", "1") == "0":
         return None
+    env = (os.environ.get("BATCHINFER_CACHE"), os.environ.get("HOME"))
+    if cache_dir is None and env in _by_env:
+        return _by_env[env]
     from batchinfer.models.loader import default_cache_dir
 
     folder = (cache_dir or default_cache_dir()) / "native"
@@ -96,6 +103,8 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     with _lock:
         if key not in _loaded:
             _loaded[key] = build_and_load(folder)
+        if cache_dir is None:
+            _by_env[env] = _loaded[key]
         return _loaded[key]
 
 
@@ -177,21 +186,22 @@ def packed_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torc
     if kv_heads < 1 or k.shape[1] % head_dim or num_heads % kv_heads:
         raise ValueError(f"k and v rows of {k.shape[1]} do not hold KV heads of {head_dim} "
                          f"that divide {num_heads} query heads")
-    counts = torch.tensor(list(lengths), dtype=torch.int64)
-    begins = counts.cumsum(0) - counts if starts is None else \
-        torch.tensor(list(starts), dtype=torch.int64)
-    if min(lengths, default=1) < 1 or len(begins) != len(counts) or (
-            len(counts) and int((begins + counts).max()) > q.shape[0]) or (
-            len(counts) and int(begins.min()) < 0):
+    counts = list(lengths)
+    begins = list(itertools.accumulate(counts, initial=0))[:-1] if starts is None \
+        else list(starts)
+    if len(begins) != len(counts) or any(n < 1 or b < 0 or b + n > q.shape[0]
+                                         for b, n in zip(begins, counts, strict=True)):
         raise ValueError(f"lengths must be positive and lie within the {q.shape[0]} rows")
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32)
     elif out.shape != q.shape:
         raise ValueError("out must have q's shape")
-    if not len(counts):
+    if not counts:
         return out
-    if lib.bi_packed_attention(len(counts), begins.data_ptr(), counts.data_ptr(),
-                               int(counts.max()), num_heads, kv_heads, head_dim, q.data_ptr(),
+    count_t = torch.tensor(counts, dtype=torch.int64)
+    begin_t = torch.tensor(begins, dtype=torch.int64)
+    if lib.bi_packed_attention(len(counts), begin_t.data_ptr(), count_t.data_ptr(),
+                               max(counts), num_heads, kv_heads, head_dim, q.data_ptr(),
                                q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                                v.stride(0), out.data_ptr(), out.stride(0),
                                head_dim ** -0.5 if scale is None else scale, int(causal),

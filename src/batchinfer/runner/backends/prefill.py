@@ -94,8 +94,8 @@ def attend_chunks(
 
 def _native_first_chunks(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          chunks: list[Chunk], scale: float) -> bool:
-    """Every first chunk's causal attention in one native call (CPU, float32: 1.7-1.9x SDPA's
-    per-chunk calls on SmolLM2's heads here); False where that cannot run, for the loop to do
+    """Every first chunk's causal attention in one native call (CPU, float32: 1.7-2.0x SDPA's
+    per-chunk calls on SmolLM2's heads here, `benchmarks/native_many_rows.py`); False where that cannot run, for the loop to do
     them."""
     firsts = [chunk for chunk in chunks if chunk.is_first]
     if not firsts or not all(t.dtype == torch.float32 and t.device.type == "cpu"

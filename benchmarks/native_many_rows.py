@@ -1,0 +1,152 @@
+"""The native CPU kernels at prefill and encoder sizes, against what they replace.
+
+    .venv/bin/python benchmarks/native_many_rows.py [--rounds 15] [--threads N]
+
+- encoder attention: `native.packed_attention` (unmasked, all-MiniLM-L6-v2's 12 heads of 32)
+  against the packed encoder's SDPA path (one call per run of equally long sentences), for
+  batches of 32 sentences of about 40, 130 and 250 tokens;
+- prefill attention: the same kernel, causal, SmolLM2's 9 query heads over 3 KV heads of 64,
+  against one SDPA call per prompt (`prefill.chunk_attention`), for one 512-token prompt, ten
+  of 200 and 32 of 64;
+- products: `F.linear` against the q4 and q8 native kernels with 16-bit inputs and with 8-bit
+  ones (`--prefill-activations int8`; the same as 16-bit where the CPU has no AVX-512 VNNI), on
+  SmolLM2's gate+up and down shapes at 256 and 1,024 rows.
+
+Every case runs its contenders in turn, `--rounds` times (a load that comes and goes falls on
+all); medians in ms, and each one's speedup over the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batchinfer import native
+from batchinfer.models.linear_kernels import WeightForms
+from batchinfer.models.packed_encoder import _equal_length_runs
+from batchinfer.runner.backends.prefill import chunk_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pressure import cpu_model  # noqa: E402
+
+
+def race(name: str, contenders: dict[str, Callable[[], object]], rounds: int) -> None:
+    for fn in contenders.values():
+        fn()
+    seconds: dict[str, list[float]] = {key: [] for key in contenders}
+    for _ in range(rounds):
+        for key, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            seconds[key].append(time.perf_counter() - start)
+    medians = {key: statistics.median(v) * 1e3 for key, v in seconds.items()}
+    base = next(iter(medians.values()))
+    print(f"{name:34}" + "".join(f"{key:>14} {ms:7.2f} ms ({base / ms:4.2f}x)"
+                                   for key, ms in medians.items()))
+
+
+def encoder_attention(lib: object, rounds: int) -> None:
+    rng = random.Random(0)
+    for around in (40, 130, 250):
+        encoder_case(lib, sorted(rng.randint(around - 4, around + 4) for _ in range(32)),
+                     f"encoder, 32 x ~{around} tokens", rounds)
+
+
+def encoder_case(lib: object, lengths: list[int], name: str, rounds: int) -> None:
+    heads, head_dim = 12, 32
+    q, k, v = (torch.randn(sum(lengths), heads * head_dim) for _ in range(3))
+    runs = _equal_length_runs(lengths)
+
+    def sdpa() -> torch.Tensor:
+        out, start = torch.empty_like(q), 0
+        for count, n in runs:
+            end = start + count * n
+            parts = (t[start:end].view(count, n, heads, head_dim).transpose(1, 2)
+                     for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(*parts).transpose(1, 2).reshape(
+                end - start, -1)
+            start = end
+        return out
+
+    race(name, {"sdpa": sdpa,
+                "native": lambda: native.packed_attention(lib, q, k, v, lengths, heads)}, rounds)
+
+
+def prefill_attention(lib: object, rounds: int) -> None:
+    for lengths in ([512], [200] * 10, [64] * 32):
+        prefill_case(lib, lengths, rounds)
+
+
+def prefill_case(lib: object, lengths: list[int], rounds: int) -> None:
+    heads, kv_heads, head_dim = 9, 3, 64
+    total = sum(lengths)
+    q = torch.randn(total, heads * head_dim)
+    k, v = torch.randn(total, kv_heads * head_dim), torch.randn(total, kv_heads * head_dim)
+
+    def sdpa() -> torch.Tensor:
+        out, start = torch.empty(total, heads, head_dim), 0
+        for n in lengths:
+            rows = slice(start, start + n)
+            out[rows] = chunk_attention(q[rows].view(n, heads, head_dim),
+                                        k[rows].view(n, kv_heads, head_dim).transpose(0, 1),
+                                        v[rows].view(n, kv_heads, head_dim).transpose(0, 1),
+                                        None, head_dim ** -0.5)
+            start += n
+        return out
+
+    race(f"prefill, {len(lengths)} x {lengths[0]} tokens", {
+        "sdpa": sdpa,
+        "native": lambda: native.packed_attention(lib, q, k, v, lengths, heads, causal=True)},
+        rounds)
+
+
+def products(rounds: int) -> None:
+    for n, k in ((3072, 576), (576, 1536)):
+        weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+        for rows in (256, 1024):
+            product_case(weight, bias, torch.randn(rows, k), rounds)
+
+
+def product_case(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, rounds: int
+                 ) -> None:
+    forms = WeightForms(weight, bias)
+    contenders: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, weight, bias)}
+    for name in ("q4_native", "q8_native"):
+        wide = forms.kernel(name)
+        eight = WeightForms(weight, bias).kernel(name)
+        eight.int8_inputs = True  # type: ignore[union-attr]
+        contenders[f"{name[:2]} 16-bit"] = partial(wide, x)
+        contenders[f"{name[:2]} 8-bit"] = partial(eight, x)
+    n, k = weight.shape
+    race(f"product {n}x{k}, {x.shape[0]} rows", contenders, rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib = native.library()
+    if lib is None:
+        sys.exit("the native kernels cannot be built here")
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"8-bit inputs: {'yes' if lib.bi_act8() else 'no (AVX-512 VNNI missing)'}")
+    with torch.inference_mode():
+        encoder_attention(lib, args.rounds)
+        prefill_attention(lib, args.rounds)
+        products(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
