@@ -67,7 +67,6 @@ from batchinfer.native.linear import (
     NativeLinear,
     check_shape,
     pack_q4,
-    pack_q8,
     pack_q8_groups,
     quantize_q8,
 )
@@ -268,8 +267,10 @@ class WeightForms:
                 tensors = pack_q8_groups(q8.view(n, groups, native.GROUP),
                                          channel.float()[:, None].expand(n, groups))
                 kind = native.Q8
-            else:
-                tensors, kind = pack_q8(weight), native.Q8
+            else:  # q8_native: the groups q8_dense reads too, quantized once
+                if self._q8 is None:
+                    self._q8 = quantize_q8(weight)
+                tensors, kind = pack_q8_groups(*self._q8), native.Q8
             self._native[name] = NativeLinear(lib, kind, n, k, tensors, self.bias)
         return self._native[name]
 
