@@ -11,7 +11,8 @@ teacher-forced in windows of `--window` tokens, against float32's.
 speed (one sequence, the interactive case): prefill of a 512-token prompt (time to the first
 token) and decode of 128 tokens after it (tokens per second), medians of `--repeats` runs,
 for each `--variants` entry: a weight form, its kernels (default `auto`, measured at
-start-up) and, with `+a8`, 8-bit prefill activations (`q4+a8`); `int8:int8_dense` keeps float32 activations everywhere, so it shows what the weights'
+start-up), with `+a8` 8-bit prefill activations (`q4+a8`), with `+kv16` a float16 KV
+cache (`q4+kv16`); `int8:int8_dense` keeps float32 activations everywhere, so it shows what the weights'
 rounding alone costs, `auto` adds bfloat16 activations where those kernels win). Prefix caching
 is off, so every run prefills.
 """
@@ -86,8 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--variants", default="none,int8,q8,q4,int8:int8_dense,q4:q4_dense",
-                        help="QUANTIZATION[:LINEAR_KERNELS][+a8] list; kernels default to auto; "
-                        "+a8: --prefill-activations int8")
+                        help="QUANTIZATION[:LINEAR_KERNELS][+a8][+kv16] list; kernels default "
+                        "to auto; +a8: --prefill-activations int8; +kv16: --kv-cache-dtype "
+                        "float16")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -99,12 +101,16 @@ def main() -> None:
     want = None
     prompts: list[list[int]] = []
     for variant in args.variants.split(","):
-        spec, a8, _ = variant.partition("+a8")
+        spec, *suffixes = variant.split("+")
+        if set(suffixes) - {"a8", "kv16"}:
+            parser.error(f"--variants: {variant!r}: suffixes are +a8 and +kv16")
         quantization, _, kernels = spec.partition(":")
         # No prefix caching: the speed runs repeat one prompt, which must be prefilled anew.
         llm = LLM(args.model, dtype="float32", kv_cache_memory=args.kv_cache_memory,
                   quantization=quantization, linear_kernels=kernels or "auto",
-                  enable_prefix_caching=False, prefill_activations="int8" if a8 else "int16")
+                  enable_prefix_caching=False,
+                  prefill_activations="int8" if "a8" in suffixes else "int16",
+                  kv_cache_dtype="float16" if "kv16" in suffixes else "auto")
         if not prompts:
             prompts = doc_prompts(llm, args.num_prompts, args.seed)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

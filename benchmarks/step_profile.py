@@ -260,6 +260,10 @@ def main() -> None:
     parser.add_argument("--linear-kernels", default="auto",
                         help="the engine's --linear-kernels (default auto: measured)")
     parser.add_argument("--quantization", default="none", help="the engine's --quantization")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engine's --kv-cache-dtype")
+    parser.add_argument("--prefill-activations", default="int16",
+                        help="the engine's --prefill-activations")
     parser.add_argument("--attention-backend", default="auto",
                         help="the engine's --attention-backend")
     parser.add_argument("--native-decode", action=argparse.BooleanOptionalAction, default=True,
@@ -271,6 +275,7 @@ def main() -> None:
         model="default", dtype="float32", num_threads=args.threads,
         max_num_seqs=max(64, args.num_prompts), linear_kernels=args.linear_kernels,
         quantization=args.quantization, attention_backend=args.attention_backend,
+        prefill_activations=args.prefill_activations, kv_cache_dtype=args.kv_cache_dtype,
         native_decode=args.native_decode,
     )
     # Warm-up: first-call allocations and lazy initialisation stay out of the figures.

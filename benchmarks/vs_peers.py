@@ -31,7 +31,8 @@ for `--seed`, `--input-len`, `--output-len`, as token ids) all at once through o
 that venv's python), useful output tokens per second; then the one sequence above through both.
 Both get the engine's defaults: 2 GiB of KV cache, 64 sequences and 2048 tokens a step. Its CPU
 plugin picks the KV cache's type (here u8 for the int8 and int4 models, f16 for fp32; ours is
-float32): the table says which it used, `--openvino-kv-cache f32` asks for float32. Rounds
+float32, float16 with a `+kv16` form): the table says which it used, `--openvino-kv-cache f32`
+asks for float32. Rounds
 alternate between the two, so a passing load on a shared machine falls on both. Prints one
 table and writes `vs_openvino.json`.
 """
@@ -80,9 +81,15 @@ OPENVINO_FORMS = {"none": "fp32", "int8": "int8", "q8": "int8", "q4": "int4"}
 
 
 def engine_form(form: str) -> dict[str, str]:
-    """A `--weights` entry as engine knobs: `q4`, or `q4+a8` (8-bit prefill activations)."""
-    quantization, a8, _ = form.partition("+a8")
-    return {"quantization": quantization, "prefill_activations": "int8" if a8 else "int16"}
+    """A `--weights` entry as engine knobs: `q4`, with `+a8` 8-bit prefill activations
+    (`--prefill-activations int8`), with `+kv16` a float16 KV cache (`--kv-cache-dtype
+    float16`): `q4+a8+kv16`."""
+    quantization, *suffixes = form.split("+")
+    if set(suffixes) - {"a8", "kv16"}:
+        raise ValueError(f"weight form {form!r}: suffixes are +a8 and +kv16")
+    return {"quantization": quantization,
+            "prefill_activations": "int8" if "a8" in suffixes else "int16",
+            "kv_cache_dtype": "float16" if "kv16" in suffixes else "auto"}
 
 
 def build_llama_cpp(dest: Path, version: str) -> Path:
@@ -394,7 +401,7 @@ def openvino_half(args: argparse.Namespace, weights: list[str], result_dir: Path
 
     print(f"\nCPU: {cpu_model()}; {args.threads} threads; OpenVINO {theirs['openvino']} "
           f"(GenAI {theirs['openvino_genai']}); KV cache: OV's own choice (key/value), "
-          f"batchinfer's float32")
+          f"batchinfer's float32 (float16 in +kv16 forms)")
     print(f"burst: {len(prompts)} requests at once, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(lengths)} output tokens; one stream: 512-token prompt, 128 decoded; "
           f"medians of {args.repeats} alternated rounds; same tok: the burst's greedy output "
@@ -448,7 +455,7 @@ def main() -> None:
                         help="batchinfer --quantization forms (default: none,q4 against "
                         "llama.cpp, the last one served; none,q8,q4 against OpenVINO, whose "
                         "int8 meets our int8 or q8; a +a8 suffix, as q4+a8, adds "
-                        "--prefill-activations int8)")
+                        "--prefill-activations int8, +kv16 --kv-cache-dtype float16)")
     parser.add_argument("--concurrency", default="1,4,32")
     parser.add_argument("--burst", type=int, default=32, help="requests of the offline burst")
     parser.add_argument("--input-len", default="24:400")
@@ -461,7 +468,10 @@ def main() -> None:
     if not peers or set(peers) - {"llama.cpp", "openvino"}:
         parser.error(f"--peers {args.peers!r}: expected llama.cpp, openvino or both")
     weights = args.weights.split(",") if args.weights else None
-    forms = {engine_form(w)["quantization"] for w in weights or ()}
+    try:
+        forms = {engine_form(w)["quantization"] for w in weights or ()}
+    except ValueError as exc:
+        parser.error(str(exc))
     if "openvino" in peers and forms - set(OPENVINO_FORMS):
         parser.error(f"--weights {args.weights!r}: OpenVINO pairs only {list(OPENVINO_FORMS)}")
     result_dir = Path(args.result_dir)
@@ -476,8 +486,8 @@ def serve_ours(bench: BenchConfig, concurrency: int, form: str, threads: int,
                result_dir: Path) -> Any:
     knobs = engine_form(form)
     flags = ("--quantization", knobs["quantization"], "--prefill-activations",
-             knobs["prefill_activations"], "--dtype", "float32", "--num-threads", str(threads),
-             "--max-num-seqs", "32")
+             knobs["prefill_activations"], "--kv-cache-dtype", knobs["kv_cache_dtype"],
+             "--dtype", "float32", "--num-threads", str(threads), "--max-num-seqs", "32")
     server = SweepServer(label=f"batchinfer-{form}", batching="continuous", flags=flags)
     sweep = SweepConfig(bench=bench, result_dir=str(result_dir), batching=("continuous",))
     log = result_dir / f"batchinfer-c{concurrency}.log"

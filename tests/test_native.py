@@ -55,11 +55,12 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize(("n", "k"), [(48, 64), (32, 96), (16, 32)])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (32, 96), (16, 32), (80, 64), (112, 32)])
 def test_native_kernels_compute_the_product_of_their_weights(lib, n, k):
     """Every row count, with and without a bias: row tiles of 4 and a remainder (few rows),
-    weights held in registers for blocks of up to 32 rows (8 and more), threads taking blocks
-    of rows (64 and more on two threads): q4, q8 and per-channel int8 against F.linear on the
+    a group's weights unpacked once for blocks of up to 32 rows (8 and more), taken 4 rows x
+    4 tiles at a time and what remains of either (80 and 112 outputs: 5 and 7 tiles), threads
+    taking blocks of rows (64 and more on two threads): q4, q8 and per-channel int8 against F.linear on the
     weights they hold, float32 against the weight itself. The quantized ones round each input
     group of 32 to 16-bit integers: within 1e-4."""
     for seed, with_bias in ((0, True), (1, False)):
@@ -129,7 +130,7 @@ def test_8_bit_inputs_compute_the_rounded_product(lib):
 
 
 def _check_8_bit_inputs(lib):
-    w, b = weights(48, 96)
+    w, b = weights(112, 96)  # 7 tiles: 4 together, then 3
     q4, pairs = quantize_q4(w)
     q4_scale, q4_offset = q4_affine(pairs)
     q8, q8_scale = quantize_q8(w)
@@ -239,16 +240,50 @@ def test_a_missing_or_failing_compiler_leaves_the_torch_kernels(tmp_path, monkey
     assert native.library(tmp_path / "off") is None
 
 
-def _llama(tmp_path, quantization: str, kernels: str, **overrides):
+def _llama(tmp_path, quantization: str, kernels: str, kv_dtype: torch.dtype = torch.float32,
+           **overrides):
     folder = make_tiny_llama(tmp_path, **overrides)
     loaded = load_model(str(folder), torch.float32, CPU)
     # No packed layout: an untied head's every measured kernel (dense, q8_native) then has a
     # native form, so every bucket can run natively whatever the measurement picked.
     loaded.model.choose_linear_kernels(quantization, kernels, CPU, torch.float32, None,
                                        allow_packed=False, native_decode=True)
-    runner = ModelRunner(loaded.model, loaded.spec, 160, BLOCK_SIZE, CPU, torch.float32, [2],
-                         0)
+    runner = ModelRunner(loaded.model, loaded.spec, 160, BLOCK_SIZE, CPU, kv_dtype, [2], 0,
+                         calculate_kv_scales=kv_dtype in KV_FP8)
     return loaded, runner
+
+
+KV_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_NARROW = (torch.float16, torch.bfloat16, *KV_FP8)
+
+
+def _check_kv_conversions(lib) -> None:
+    """Every cache element type: the bytes the native store writes are torch's (ties to even,
+    subnormals, values past an 8-bit type's range clamped), and the native read gives their
+    exact values."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4000, generator=g) * 10 ** e for e in range(-9, 6)])
+    for dtype in KV_NARROW:
+        ties = torch.arange(-300, 300).to(dtype).float()
+        ties = (ties[1:] + ties[:-1]) / 2  # halfway between neighbours: the even one wins
+        values = torch.cat([x, ties, torch.tensor([0.0, -0.0, 1e30, -1e30])])
+        scale = 0.37 if dtype in KV_FP8 else 1.0
+        if dtype in KV_FP8:
+            top = torch.finfo(dtype).max
+            want = (values / scale).clamp(-top, top).to(dtype)
+        else:
+            want = values.to(dtype)
+        got = torch.empty(values.shape, dtype=dtype)
+        lib.bi_kv_store(values.data_ptr(), values.numel(), native.KV_TYPES[dtype], scale,
+                        got.data_ptr())
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+        read = torch.empty(values.shape)
+        lib.bi_kv_load(want.data_ptr(), want.numel(), native.KV_TYPES[dtype], read.data_ptr())
+        assert torch.equal(read, want.float()), dtype
+
+
+def test_kv_cache_elements_are_stored_and_read_as_torch_does(lib):
+    _check_kv_conversions(lib)
 
 
 def _sequences(lengths: list[int], vocab: int, seed: int) -> list[dict]:
@@ -282,6 +317,18 @@ def test_native_decode_steps_give_the_torch_models_logits(lib, tmp_path, case):
     _compare_decode_steps(loaded, runner, 1e-5 if quantization == "none" else 1e-3, lengths)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_NARROW)
+def test_native_decode_steps_read_and_write_narrower_kv_caches(lib, tmp_path, kv_dtype):
+    """float16, bfloat16 and FP8 caches (FP8 with per-layer scales calibrated on the first
+    step): the native step stores the K/V bytes the torch path stores and computes its
+    logits."""
+    loaded, runner = _llama(tmp_path, "q4", "q4_native", kv_dtype)
+    assert runner.attention.name == "gather"
+    _compare_decode_steps(loaded, runner, 1e-3)
+    if kv_dtype in KV_FP8:
+        assert {k for k, _ in runner.attention.kv_scales} != {1.0}  # calibrated
+
+
 def _compare_decode_steps(loaded, runner: ModelRunner, tolerance: float,
                           lengths: tuple[int, ...] | list[int] = (5, 140, 330)) -> None:
     decoder, why = NativeDecoder.build(loaded.model, runner.attention)
@@ -302,10 +349,14 @@ def _compare_decode_steps(loaded, runner: ModelRunner, tolerance: float,
             inputs = prepare_inputs(scheduled, BLOCK_SIZE, CPU)
             assert decoder.accepts(inputs)
             got = decoder.logits(inputs)[inputs.logits_indices].clone()
-            cache_after_native = runner.attention.kv_cache.clone()
+            cache_after_native = runner.attention.kv_cache.float()
             want = runner._torch_logits(inputs)
             assert relative_error(got, want) < tolerance, step
-            assert relative_error(cache_after_native, runner.attention.kv_cache) < tolerance
+            cache = runner.attention.kv_cache.float()
+            if runner.attention.kv_dtype == torch.float32:
+                assert relative_error(cache_after_native, cache) < tolerance
+            else:  # K/V reach the store equal within float rounding; it rounds them alike
+                assert (cache_after_native != cache).float().mean() < 1e-3
             for s, new in zip(members, scheduled, strict=True):
                 s["tokens"] = s["tokens"] + new.token_ids
 
@@ -315,10 +366,10 @@ def test_native_decode_refuses_what_it_cannot_run(lib, tmp_path):
     loaded = load_model(str(folder), torch.float32, CPU)
     loaded.model.choose_linear_kernels("q4", "q4_native", CPU, torch.float32, None,
                                        native_decode=True)
-    fp8 = ModelRunner(loaded.model, loaded.spec, 64, BLOCK_SIZE, CPU, torch.float8_e4m3fn,
-                      [2], 0, attention_backend="gather")
-    decoder, why = NativeDecoder.build(loaded.model, fp8.attention)
-    assert decoder is None and "float32 KV cache" in why
+    sparse_int8 = ModelRunner(loaded.model, loaded.spec, 64, BLOCK_SIZE, CPU, torch.int8,
+                              [2], 0, attention_backend="gather")
+    decoder, why = NativeDecoder.build(loaded.model, sparse_int8.attention)
+    assert decoder is None and "float16, bfloat16 or FP8" in why
     sdpa = ModelRunner(loaded.model, loaded.spec, 64, BLOCK_SIZE, CPU, torch.float32, [2], 0,
                        attention_backend="sdpa")
     assert NativeDecoder.build(loaded.model, sdpa.attention)[0] is None
@@ -450,6 +501,7 @@ def test_the_portable_c_path_computes_the_same(lib, tmp_path, monkeypatch):
                        ("int8_native", q_int8.float() * channel[:, None])):
         assert relative_error(forms.kernel(name)(x), F.linear(x, held, b)) < 1e-4, name
     check_packed_attention(portable)
+    _check_kv_conversions(portable)
     assert portable.bi_act8() == 0  # no 8-bit input path: the 16-bit one runs
     q4 = forms.kernel("q4_native")
     many = torch.randn(70, 64)

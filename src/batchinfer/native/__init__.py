@@ -64,11 +64,17 @@ class Model(ctypes.Structure):
                 ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32),
                 ("vocab", ctypes.c_int32), ("block_size", ctypes.c_int32),
-                ("eps", ctypes.c_float), ("reserved", ctypes.c_float),
+                ("eps", ctypes.c_float), ("kv_type", ctypes.c_int32),
                 ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
                 ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(Layer)), ("lm_head", Linear),
-                ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64)]
+                ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
+                ("kv_scales", ctypes.c_void_p)]
+
+
+# The KV cache element types `bi_decode` reads and writes (`bi_model.kv_type`).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
+            torch.float8_e5m2: 4}
 
 
 _lock = threading.Lock()
@@ -156,6 +162,11 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
         ctypes.c_int, ctypes.c_int]
     lib.bi_packed_attention.restype = ctypes.c_int
+    lib.bi_kv_store.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
+                                ctypes.c_void_p]
+    lib.bi_kv_store.restype = None
+    lib.bi_kv_load.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.bi_kv_load.restype = None
     logger.info("native CPU kernels loaded from %s (%s)", target,
                 "AVX-512" if lib.bi_avx512() else "portable C")
     return lib

@@ -25,10 +25,12 @@
  * outputs at once, one output per 32-bit lane. Unpacking a weight to 16 bits costs one or two
  * instructions per 32 weights, where converting each weight to float32 costs four: the
  * float32 form of these kernels ran 2-3 times slower on a 2-core Xeon (AVX-512 VNNI).
- * For a few rows, each 16-output tile unpacks its weights per four rows; from 8 rows on, it
- * unpacks a group's weights once into registers and runs every row of a block of 32 against
- * them (1.3-1.7x float32 GEMM at 64-1024 rows on that Xeon, where the per-four-rows form was
- * 1.1-1.3x); from 32 rows per thread on, threads take blocks of rows.
+ * For a few rows, each 16-output tile unpacks its weights per four rows; from 8 rows on, four
+ * tiles unpack a group's weights once (into L1) and every row of a block of 32 runs against
+ * them, 4 rows x 4 tiles at a time: sixteen independent chains of multiply-adds, enough to
+ * keep both vector units of a core busy through the instruction's latency (the earlier form,
+ * one tile's weights in registers and 4 rows x 2 chains, ran 10-20 % slower on a 2-core Xeon
+ * with AVX-512 VNNI); from 32 rows per thread on, threads take blocks of rows.
  *
  * Also here: the self-attention of packed (unpadded) sentences, for encoders.
  */
@@ -64,18 +66,24 @@ typedef struct {
     bi_linear qkv, o, gate_up, down;
 } bi_layer;
 
+/* Element types of the KV cache (`bi_model.kv_type`). The 8-bit ones hold K / k_scale and
+ * V / v_scale, clamped to the type's range (one scale pair per layer, `bi_model.kv_scales`). */
+enum { BI_KV_F32 = 0, BI_KV_F16 = 1, BI_KV_BF16 = 2, BI_KV_E4M3 = 3, BI_KV_E5M2 = 4 };
+
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads;
     int32_t head_dim, intermediate, vocab, block_size;
-    float eps, reserved;
+    float eps;
+    int32_t kv_type;
     const float *embed;       /* [vocab][hidden]: the token embedding table */
     const float *final_norm;  /* [hidden] */
     const float *rope_cos;    /* [max_positions][head_dim / 2] */
     const float *rope_sin;
     const bi_layer *layers;
     bi_linear lm_head;
-    float *kv_cache;  /* [layers][num_blocks][2][kv_heads][block_size][head_dim] */
+    void *kv_cache;  /* [layers][num_blocks][2][kv_heads][block_size][head_dim], of kv_type */
     int64_t num_blocks;
+    const float *kv_scales;  /* [layers][2]: k_scale, v_scale; NULL: all 1 */
 } bi_model;
 
 int bi_avx512(void) { return BI_AVX512; }
@@ -311,108 +319,196 @@ static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0
 }
 #endif
 
-/* Rows one tile's held weights serve at a time; from MIN_HELD_ROWS rows on, a tile's weights
- * are held (`quant_tile_rows`); from BLOCK_ROWS rows per thread on, threads take blocks of
- * rows instead of shares of the tiles (`bi_linear_forward`). */
+/* Rows the held-weight kernels serve at a time; from MIN_HELD_ROWS rows on, linears use them
+ * (`held_tiles`); from BLOCK_ROWS rows per thread on, threads take blocks of rows instead of
+ * shares of the tiles (`bi_linear_forward`). */
 #define BLOCK_ROWS 32
 #define MIN_HELD_ROWS 8
+/* Tiles (of 16 outputs) the held-weight kernels take together, and rows per pass: 3 x 4 = 12
+ * independent chains of multiply-adds, enough to keep both of a core's vector units busy
+ * through the instruction's latency, with the weights of 3 tiles and an input in registers
+ * (27 of the 32). */
+#define HELD_TILES 4
+#define HELD_ROWS 4
 
 #if BI_AVX512
-/* R (1..4) rows of one group against its 16 weight-pair vectors `w` (held in registers):
- * two chains of multiply-adds per row; acc[r] += the group's products, scaled. Vector p holds
- * input pair p (q8), or pair p / 2 + 8 (p % 2) (q4: low and high nibbles). */
+/* One group's weights of T tiles, unpacked to 16 bits in input-pair order: `wb[t][p]` holds
+ * each of the tile's 16 outputs' weights for inputs 2p and 2p + 1 (one 32-bit lane each). */
 static inline __attribute__((always_inline)) void
-group_rows(const __m512i *w, const int Q4, const bi_input *in, int k, int groups, int g,
-           int r0, const int R, __m512 s, __m512 off, float *acc) {
-    __m512i d[4], e[4];
-    const int32_t *xp[4];
-    for (int r = 0; r < R; r++) {
-        d[r] = e[r] = _mm512_setzero_si512();
-        xp[r] = (const int32_t *)(in->q + (int64_t)(r0 + r) * k + g * GROUP);
+unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, __m512i *wb) {
+    const int groups = num_groups(l);
+    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wg = (const uint8_t *)l->weight
+                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        __m512i *w = wb + 16 * t;
+        if (Q4) {  /* chunk i: pair i in the low nibbles, pair i + 8 in the high ones */
+            for (int i = 0; i < 8; i++) {
+                const __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(wg + 32 * i)));
+                _mm512_store_si512(w + i, _mm512_and_si512(v, low));
+                _mm512_store_si512(w + i + 8, _mm512_srli_epi16(v, 4));
+            }
+        } else {
+            for (int p = 0; p < 16; p++)
+                _mm512_store_si512(w + p, _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(wg + 32 * p))));
+        }
     }
-    for (int p = 0; p < 16; p += 2) {
-        const int p0 = Q4 ? p / 2 : p, p1 = Q4 ? p / 2 + 8 : p + 1;
+}
+
+/* R rows x T tiles of one group: one chain of multiply-adds per (row, tile), a pair of
+ * inputs broadcast against each tile's weights; then acc[row][t] += the products, scaled
+ * (and q4's offsets times the group's input sum). */
+static inline __attribute__((always_inline)) void
+rows_tiles16(const __m512i *wb, const int Q4, const int T, const bi_input *in, int k,
+             int groups, int g, int r0, const int R, const __m512 *s, const __m512 *off,
+             float *acc) {
+    __asm__("" : "+r"(wb));  /* see rows_tiles16_4x4 */
+    __m512i d[HELD_ROWS][HELD_TILES];
+    const int32_t *xp[HELD_ROWS];
+    for (int r = 0; r < R; r++) {
+        xp[r] = (const int32_t *)(in->q + (int64_t)(r0 + r) * k + g * GROUP);
+        for (int t = 0; t < T; t++) d[r][t] = _mm512_setzero_si512();
+    }
+    for (int p = 0; p < 16; p++) {
+        __m512i w[HELD_TILES];
+        for (int t = 0; t < T; t++) w[t] = _mm512_load_si512(wb + 16 * t + p);
         for (int r = 0; r < R; r++) {
-            d[r] = dot_pairs(d[r], w[p], _mm512_set1_epi32(xp[r][p0]));
-            e[r] = dot_pairs(e[r], w[p + 1], _mm512_set1_epi32(xp[r][p1]));
+            const __m512i x = _mm512_set1_epi32(xp[r][p]);
+            for (int t = 0; t < T; t++) d[r][t] = dot_pairs(d[r][t], w[t], x);
         }
     }
     for (int r = 0; r < R; r++) {
         const int64_t at = (int64_t)(r0 + r) * groups + g;
-        float *a = acc + (r0 + r) * TILE_Q;
-        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[r], e[r])),
-                                   _mm512_mul_ps(s, _mm512_set1_ps(in->scale[at])),
-                                   _mm512_loadu_ps(a));
-        if (Q4) v = _mm512_fmadd_ps(off, _mm512_set1_ps(in->sum[at]), v);
-        _mm512_storeu_ps(a, v);
-    }
-}
-
-/* One tile (16 outputs) for up to BLOCK_ROWS rows, group by group: the group's weights are
- * unpacked to 16 bits once into registers and used for every row (where `quant_tile` unpacks
- * them again for each four rows). */
-static inline __attribute__((always_inline)) void
-quant_tile_rows_kind(const bi_linear *l, const int Q4, int tile, const bi_input *in, int rows,
-                     float *y, int64_t ldy, int accumulate) {
-    const int groups = num_groups(l), k = l->k;
-    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
-    const uint8_t *wt = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes;
-    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q;
-    const float *offs = Q4 ? l->offset + (int64_t)tile * groups * TILE_Q : NULL;
-    const __m512i low = _mm512_set1_epi16(0x0f);
-    float acc[BLOCK_ROWS * TILE_Q] __attribute__((aligned(64)));
-    memset(acc, 0, sizeof(float) * rows * TILE_Q);
-    for (int g = 0; g < groups; g++) {
-        const uint8_t *wg = wt + g * chunk_bytes;
-        __m512i w[16];
-        if (Q4) {
-            for (int i = 0; i < 8; i++) {
-                const __m512i v = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(wg + 32 * i)));
-                w[2 * i] = _mm512_and_si512(v, low);
-                w[2 * i + 1] = _mm512_srli_epi16(v, 4);
-            }
-        } else {
-            for (int p = 0; p < 16; p++)
-                w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * p)));
+        const __m512 xs = _mm512_set1_ps(in->scale[at]), xsum = _mm512_set1_ps(in->sum[at]);
+        for (int t = 0; t < T; t++) {
+            float *a = acc + ((r0 + r) * HELD_TILES + t) * TILE_Q;
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][t]), _mm512_mul_ps(s[t], xs),
+                                       _mm512_load_ps(a));
+            if (Q4) v = _mm512_fmadd_ps(off[t], xsum, v);
+            _mm512_store_ps(a, v);
         }
-        const __m512 s = _mm512_loadu_ps(sc + g * TILE_Q);
-        const __m512 off = Q4 ? _mm512_loadu_ps(offs + g * TILE_Q) : _mm512_setzero_ps();
-        int r0 = 0;
-        for (; r0 + 4 <= rows; r0 += 4)
-            group_rows(w, Q4, in, k, groups, g, r0, 4, s, off, acc);
-        for (; r0 < rows; r0++)
-            group_rows(w, Q4, in, k, groups, g, r0, 1, s, off, acc);
     }
-    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
-    for (int r = 0; r < rows; r++)
-        finish16(y + r * ldy + tile * TILE_Q, _mm512_load_ps(acc + r * TILE_Q), bias, accumulate);
 }
 
-static void quant_tile_rows(const bi_linear *l, int tile, const bi_input *in, int rows,
-                            float *y, int64_t ldy, int accumulate) {
-    if (l->kind == BI_Q4)
-        quant_tile_rows_kind(l, 1, tile, in, rows, y, ldy, accumulate);
-    else
-        quant_tile_rows_kind(l, 0, tile, in, rows, y, ldy, accumulate);
+/* rows_tiles16 for 4 rows x 4 tiles, written out: sixteen named accumulators, which the
+ * compiler keeps in registers (arrays of them it shuffles between registers and the stack);
+ * the scales are read from memory in the epilogue, leaving registers to the chains. */
+#define DOT4(R, X)                                                                        \
+    x = _mm512_set1_epi32(X[p]);                                                          \
+    d##R##0 = dot_pairs(d##R##0, w0, x); d##R##1 = dot_pairs(d##R##1, w1, x);             \
+    d##R##2 = dot_pairs(d##R##2, w2, x); d##R##3 = dot_pairs(d##R##3, w3, x)
+#define SCALE_INTO(R, T, D)                                                               \
+    do {                                                                                  \
+        float *a = acc + ((r0 + R) * HELD_TILES + T) * TILE_Q;                            \
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D),                                 \
+                                   _mm512_mul_ps(_mm512_load_ps(s + T * TILE_Q), xs),     \
+                                   _mm512_load_ps(a));                                    \
+        if (Q4) v = _mm512_fmadd_ps(_mm512_load_ps(off + T * TILE_Q), xsum, v);           \
+        _mm512_store_ps(a, v);                                                            \
+    } while (0)
+#define SCALE_ROW(R)                                                                      \
+    do {                                                                                  \
+        const int64_t at = (int64_t)(r0 + R) * groups + g;                                \
+        const __m512 xs = _mm512_set1_ps(in->scale[at]), xsum = _mm512_set1_ps(in->sum[at]); \
+        SCALE_INTO(R, 0, d##R##0); SCALE_INTO(R, 1, d##R##1);                             \
+        SCALE_INTO(R, 2, d##R##2); SCALE_INTO(R, 3, d##R##3);                             \
+    } while (0)
+
+static inline __attribute__((always_inline)) void
+rows_tiles16_4x4(const __m512i *wb, const int Q4, const bi_input *in, int k, int groups, int g,
+                 int r0, const float *s, const float *off, float *acc) {
+    /* The weights are the same for every row of the group: left visible, the compiler would
+     * hoist all 64 of their loads out of the rows' loop and spill the accumulators. */
+    __asm__("" : "+r"(wb));
+    const int32_t *x0 = (const int32_t *)(in->q + (int64_t)r0 * k + g * GROUP);
+    const int32_t *x1 = x0 + k / 2, *x2 = x1 + k / 2, *x3 = x2 + k / 2;
+    __m512i d00 = _mm512_setzero_si512(), d01 = d00, d02 = d00, d03 = d00, d10 = d00,
+            d11 = d00, d12 = d00, d13 = d00, d20 = d00, d21 = d00, d22 = d00, d23 = d00,
+            d30 = d00, d31 = d00, d32 = d00, d33 = d00, x;
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; p++) {
+        const __m512i w0 = _mm512_load_si512(wb + p), w1 = _mm512_load_si512(wb + 16 + p),
+                      w2 = _mm512_load_si512(wb + 32 + p), w3 = _mm512_load_si512(wb + 48 + p);
+        DOT4(0, x0); DOT4(1, x1); DOT4(2, x2); DOT4(3, x3);
+    }
+    SCALE_ROW(0); SCALE_ROW(1); SCALE_ROW(2); SCALE_ROW(3);
+}
+#undef DOT4
+#undef SCALE_INTO
+#undef SCALE_ROW
+
+/* Tiles [tile, tile + T) for up to BLOCK_ROWS rows, group by group: the group's weights are
+ * unpacked once (into L1) and serve every row, HELD_ROWS rows at a time. */
+static inline __attribute__((always_inline)) void
+held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const bi_input *in,
+                  int rows, float *y, int64_t ldy, int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    __m512i wb[HELD_TILES * 16];
+    float acc[BLOCK_ROWS * HELD_TILES * TILE_Q] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
+    for (int g = 0; g < groups; g++) {
+        unpack_group16(l, Q4, tile, T, g, wb);
+        __m512 s[HELD_TILES], off[HELD_TILES];
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(tile + t) * groups + g) * TILE_Q;
+            s[t] = _mm512_loadu_ps(l->scale + at);
+            off[t] = Q4 ? _mm512_loadu_ps(l->offset + at) : _mm512_setzero_ps();
+        }
+        int r0 = 0;
+        for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS) {
+            if (T == HELD_TILES)
+                rows_tiles16_4x4(wb, Q4, in, k, groups, g, r0, (const float *)s,
+                                 (const float *)off, acc);
+            else
+                rows_tiles16(wb, Q4, T, in, k, groups, g, r0, HELD_ROWS, s, off, acc);
+        }
+        switch (rows - r0) {
+        case 3: rows_tiles16(wb, Q4, T, in, k, groups, g, r0, 3, s, off, acc); break;
+        case 2: rows_tiles16(wb, Q4, T, in, k, groups, g, r0, 2, s, off, acc); break;
+        case 1: rows_tiles16(wb, Q4, T, in, k, groups, g, r0, 1, s, off, acc); break;
+        default: break;
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
+        for (int r = 0; r < rows; r++)
+            finish16(y + r * ldy + (tile + t) * TILE_Q,
+                     _mm512_load_ps(acc + (r * HELD_TILES + t) * TILE_Q), bias, accumulate);
+    }
+}
+
+static void held_tiles16(const bi_linear *l, int tile, int T, const bi_input *in, int rows,
+                         float *y, int64_t ldy, int accumulate) {
+#define HELD16(Q, N) held_tiles16_kind(l, Q, tile, N, in, rows, y, ldy, accumulate)
+    const int q4 = l->kind == BI_Q4;
+    if (T == 4) { if (q4) HELD16(1, 4); else HELD16(0, 4); }
+    else if (T == 3) { if (q4) HELD16(1, 3); else HELD16(0, 3); }
+    else if (T == 2) { if (q4) HELD16(1, 2); else HELD16(0, 2); }
+    else { if (q4) HELD16(1, 1); else HELD16(0, 1); }
+#undef HELD16
 }
 #endif
 
 /* Tiles [first, last) for every row: quantized weights for at least MIN_HELD_ROWS rows
- * unpacked once per group into registers (`quant_tile_rows`), else per ROW_TILE rows. */
+ * unpacked once per group (`held_tiles16`), else per ROW_TILE rows. */
 static void linear_tiles(const bi_linear *l, int first, int last, const bi_input *in,
                          int rows, float *y, int64_t ldy, int accumulate) {
 #if BI_AVX512
     if (l->kind != BI_F32 && rows >= MIN_HELD_ROWS) {
         const int groups = num_groups(l);
-        for (int t = first; t < last; t++)
+        for (int t = first; t < last; t += HELD_TILES) {
+            const int T = last - t < HELD_TILES ? last - t : HELD_TILES;
             for (int r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
                 const bi_input part = {NULL, 0, in->q + (int64_t)r0 * l->k,
                                        in->scale + (int64_t)r0 * groups,
                                        in->sum + (int64_t)r0 * groups};
                 const int rr = rows - r0 < BLOCK_ROWS ? rows - r0 : BLOCK_ROWS;
-                quant_tile_rows(l, t, &part, rr, y + r0 * ldy, ldy, accumulate);
+                held_tiles16(l, t, T, &part, rr, y + r0 * ldy, ldy, accumulate);
             }
+        }
         return;
     }
 #endif
@@ -512,83 +608,166 @@ static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale
     }
 }
 
-/* R (1..4) rows of one group against its 8 four-input weight vectors `w` (q4: w[2m] holds
- * inputs 4m..4m+3, w[2m+1] inputs 16+4m..; q8: w[m] inputs 4m..4m+3). */
+/* One group's weights of T tiles as four-input lanes: `wb[t][m]` holds each output's weights
+ * for inputs 4m..4m+3 (q4: unsigned 0..15; q8: signed, with `wsum[t]` = 128 x each output's
+ * weight sum, for the inputs stored +128). */
 static inline __attribute__((always_inline)) void
-group_rows8(const __m512i *w, const int Q4, const int8_t *xq, const float *xs,
-            const float *xsum, int k, int groups, int g, int r0, const int R, __m512 s,
-            __m512 off, __m512i wsum128, float *acc) {
-    __m512i d[4], e[4];
-    const int32_t *xp[4];
-    for (int r = 0; r < R; r++) {
-        d[r] = e[r] = _mm512_setzero_si512();
-        xp[r] = (const int32_t *)(xq + (int64_t)(r0 + r) * k + g * GROUP);
-    }
-    for (int m = 0; m < 8; m += 2) {
-        const int i0 = Q4 ? m / 2 : m, i1 = Q4 ? m / 2 + 4 : m + 1;
-        for (int r = 0; r < R; r++) {
-            if (Q4) {
-                d[r] = _mm512_dpbusd_epi32(d[r], w[m], _mm512_set1_epi32(xp[r][i0]));
-                e[r] = _mm512_dpbusd_epi32(e[r], w[m + 1], _mm512_set1_epi32(xp[r][i1]));
-            } else {
-                d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(xp[r][i0]), w[m]);
-                e[r] = _mm512_dpbusd_epi32(e[r], _mm512_set1_epi32(xp[r][i1]), w[m + 1]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        const int64_t at = (int64_t)(r0 + r) * groups + g;
-        __m512i dot = _mm512_add_epi32(d[r], e[r]);
-        if (!Q4) dot = _mm512_sub_epi32(dot, wsum128);
-        float *a = acc + (r0 + r) * TILE_Q;
-        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                   _mm512_mul_ps(s, _mm512_set1_ps(xs[at])), _mm512_loadu_ps(a));
-        if (Q4) v = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum[at]), v);
-        _mm512_storeu_ps(a, v);
-    }
-}
-
-/* One tile for up to BLOCK_ROWS rows of 8-bit inputs (see quant_tile_rows_kind). */
-static inline __attribute__((always_inline)) void
-quant_tile_rows8_kind(const bi_linear *l, const int Q4, int tile, const int8_t *xq,
-                      const float *xs, const float *xsum, int rows, float *y, int64_t ldy) {
-    const int groups = num_groups(l), k = l->k;
+unpack_group8(const bi_linear *l, const int Q4, int tile, const int T, int g, __m512i *wb,
+              __m512i *wsum) {
+    const int groups = num_groups(l);
     const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
-    const uint8_t *wt = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes;
-    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q;
-    const float *offs = Q4 ? l->offset + (int64_t)tile * groups * TILE_Q : NULL;
     const __m512i nibbles = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
-    float acc[BLOCK_ROWS * TILE_Q] __attribute__((aligned(64)));
-    memset(acc, 0, sizeof(float) * rows * TILE_Q);
-    for (int g = 0; g < groups; g++) {
-        const uint8_t *wg = wt + g * chunk_bytes;
-        __m512i w[8], wsum128 = _mm512_setzero_si512();
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wg = (const uint8_t *)l->weight
+                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        __m512i *w = wb + 8 * t, sum = _mm512_setzero_si512();
         for (int m = 0; m < (Q4 ? 4 : 8); m++) {
             /* lane j: output j's 16-bit pair from chunk 2m, then chunk 2m + 1's */
             const __m512i v = _mm512_or_si512(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wg + 64 * m))),
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(
                     _mm256_loadu_si256((const __m256i *)(wg + 64 * m + 32))), 16));
-            if (Q4) {
-                w[2 * m] = _mm512_and_si512(v, nibbles);
-                w[2 * m + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
+            if (Q4) {  /* low nibbles: inputs 4m..; high ones: 16 + 4m.. */
+                _mm512_store_si512(w + m, _mm512_and_si512(v, nibbles));
+                _mm512_store_si512(w + m + 4, _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles));
             } else {
-                w[m] = v;
-                wsum128 = _mm512_dpbusd_epi32(wsum128, ones, v);
+                _mm512_store_si512(w + m, v);
+                sum = _mm512_dpbusd_epi32(sum, ones, v);
             }
         }
-        if (!Q4) wsum128 = _mm512_slli_epi32(wsum128, 7);
-        const __m512 s = _mm512_loadu_ps(sc + g * TILE_Q);
-        const __m512 off = Q4 ? _mm512_loadu_ps(offs + g * TILE_Q) : _mm512_setzero_ps();
-        int r0 = 0;
-        for (; r0 + 4 <= rows; r0 += 4)
-            group_rows8(w, Q4, xq, xs, xsum, k, groups, g, r0, 4, s, off, wsum128, acc);
-        for (; r0 < rows; r0++)
-            group_rows8(w, Q4, xq, xs, xsum, k, groups, g, r0, 1, s, off, wsum128, acc);
+        if (!Q4) _mm512_store_si512(wsum + t, _mm512_slli_epi32(sum, 7));
     }
-    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
-    for (int r = 0; r < rows; r++)
-        finish16(y + r * ldy + tile * TILE_Q, _mm512_load_ps(acc + r * TILE_Q), bias, 0);
+}
+
+static inline __m512i dot_quads(const int Q4, __m512i acc, __m512i w, __m512i x) {
+    return Q4 ? _mm512_dpbusd_epi32(acc, w, x) : _mm512_dpbusd_epi32(acc, x, w);
+}
+
+/* acc[row][t] += one group's 8-bit products of a row and tile, scaled (see rows_tiles16). */
+static inline __attribute__((always_inline)) void
+scale_into8(const int Q4, __m512i dot, __m512i wsum, __m512 s, __m512 off, float xs,
+            float xsum, float *a) {
+    if (!Q4) dot = _mm512_sub_epi32(dot, wsum);
+    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(xs)),
+                               _mm512_load_ps(a));
+    if (Q4) v = _mm512_fmadd_ps(off, _mm512_set1_ps(xsum), v);
+    _mm512_store_ps(a, v);
+}
+
+/* R rows x T tiles of one group of 8-bit inputs. */
+static inline __attribute__((always_inline)) void
+rows_tiles8(const __m512i *wb, const __m512i *wsum, const int Q4, const int T, const int8_t *xq,
+            const float *xs, const float *xsum, int k, int groups, int g, int r0, const int R,
+            const __m512 *s, const __m512 *off, float *acc) {
+    __asm__("" : "+r"(wb));  /* see rows_tiles16_4x4 */
+    __m512i d[HELD_ROWS][HELD_TILES];
+    const int32_t *xp[HELD_ROWS];
+    for (int r = 0; r < R; r++) {
+        xp[r] = (const int32_t *)(xq + (int64_t)(r0 + r) * k + g * GROUP);
+        for (int t = 0; t < T; t++) d[r][t] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; m++) {
+        __m512i w[HELD_TILES];
+        for (int t = 0; t < T; t++) w[t] = _mm512_load_si512(wb + 8 * t + m);
+        for (int r = 0; r < R; r++) {
+            const __m512i x = _mm512_set1_epi32(xp[r][m]);
+            for (int t = 0; t < T; t++) d[r][t] = dot_quads(Q4, d[r][t], w[t], x);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (int64_t)(r0 + r) * groups + g;
+        for (int t = 0; t < T; t++)
+            scale_into8(Q4, d[r][t], wsum[t], s[t], off[t], xs[at], xsum[at],
+                        acc + ((r0 + r) * HELD_TILES + t) * TILE_Q);
+    }
+}
+
+/* rows_tiles8 for 4 rows x 4 tiles, written out (see rows_tiles16_4x4). */
+#define QUAD4(R, X)                                                                       \
+    x = _mm512_set1_epi32(X[m]);                                                          \
+    d##R##0 = dot_quads(Q4, d##R##0, w0, x); d##R##1 = dot_quads(Q4, d##R##1, w1, x);     \
+    d##R##2 = dot_quads(Q4, d##R##2, w2, x); d##R##3 = dot_quads(Q4, d##R##3, w3, x)
+#define SCALE_ROW8(R)                                                                     \
+    do {                                                                                  \
+        const int64_t at = (int64_t)(r0 + R) * groups + g;                                \
+        float *a = acc + (r0 + R) * HELD_TILES * TILE_Q;                                  \
+        scale_into8(Q4, d##R##0, wsum[0], s[0], off[0], xs[at], xsum[at], a);             \
+        scale_into8(Q4, d##R##1, wsum[1], s[1], off[1], xs[at], xsum[at], a + TILE_Q);    \
+        scale_into8(Q4, d##R##2, wsum[2], s[2], off[2], xs[at], xsum[at], a + 2 * TILE_Q); \
+        scale_into8(Q4, d##R##3, wsum[3], s[3], off[3], xs[at], xsum[at], a + 3 * TILE_Q); \
+    } while (0)
+
+static inline __attribute__((always_inline)) void
+rows_tiles8_4x4(const __m512i *wb, const __m512i *wsum, const int Q4, const int8_t *xq,
+                const float *xs, const float *xsum, int k, int groups, int g, int r0,
+                const __m512 *s, const __m512 *off, float *acc) {
+    __asm__("" : "+r"(wb));  /* see rows_tiles16_4x4 */
+    const int32_t *x0 = (const int32_t *)(xq + (int64_t)r0 * k + g * GROUP);
+    const int32_t *x1 = x0 + k / 4, *x2 = x1 + k / 4, *x3 = x2 + k / 4;
+    __m512i d00 = _mm512_setzero_si512(), d01 = d00, d02 = d00, d03 = d00, d10 = d00,
+            d11 = d00, d12 = d00, d13 = d00, d20 = d00, d21 = d00, d22 = d00, d23 = d00,
+            d30 = d00, d31 = d00, d32 = d00, d33 = d00, x;
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; m++) {
+        const __m512i w0 = _mm512_load_si512(wb + m), w1 = _mm512_load_si512(wb + 8 + m),
+                      w2 = _mm512_load_si512(wb + 16 + m), w3 = _mm512_load_si512(wb + 24 + m);
+        QUAD4(0, x0); QUAD4(1, x1); QUAD4(2, x2); QUAD4(3, x3);
+    }
+    SCALE_ROW8(0); SCALE_ROW8(1); SCALE_ROW8(2); SCALE_ROW8(3);
+}
+#undef QUAD4
+#undef SCALE_ROW8
+
+/* Tiles [tile, tile + T) for up to BLOCK_ROWS rows of 8-bit inputs (see held_tiles16_kind). */
+static inline __attribute__((always_inline)) void
+held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const int8_t *xq,
+                 const float *xs, const float *xsum, int rows, float *y, int64_t ldy) {
+    const int groups = num_groups(l), k = l->k;
+    __m512i wb[HELD_TILES * 8], wsum[HELD_TILES];
+    float acc[BLOCK_ROWS * HELD_TILES * TILE_Q] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
+    for (int t = T; t < HELD_TILES; t++) wsum[t] = _mm512_setzero_si512();
+    for (int g = 0; g < groups; g++) {
+        unpack_group8(l, Q4, tile, T, g, wb, wsum);
+        __m512 s[HELD_TILES], off[HELD_TILES];
+        for (int t = 0; t < HELD_TILES; t++) {
+            const int64_t at = ((int64_t)(tile + t) * groups + g) * TILE_Q;
+            s[t] = t < T ? _mm512_loadu_ps(l->scale + at) : _mm512_setzero_ps();
+            off[t] = Q4 && t < T ? _mm512_loadu_ps(l->offset + at) : _mm512_setzero_ps();
+        }
+        int r0 = 0;
+        for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS) {
+            if (T == HELD_TILES)
+                rows_tiles8_4x4(wb, wsum, Q4, xq, xs, xsum, k, groups, g, r0, s, off, acc);
+            else
+                rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, HELD_ROWS, s, off,
+                            acc);
+        }
+        switch (rows - r0) {
+        case 3: rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, 3, s, off, acc); break;
+        case 2: rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, 2, s, off, acc); break;
+        case 1: rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, 1, s, off, acc); break;
+        default: break;
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
+        for (int r = 0; r < rows; r++)
+            finish16(y + r * ldy + (tile + t) * TILE_Q,
+                     _mm512_load_ps(acc + (r * HELD_TILES + t) * TILE_Q), bias, 0);
+    }
+}
+
+static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, const float *xs,
+                        const float *xsum, int rows, float *y, int64_t ldy) {
+#define HELD8(Q, N) held_tiles8_kind(l, Q, tile, N, xq, xs, xsum, rows, y, ldy)
+    const int q4 = l->kind == BI_Q4;
+    if (T == 4) { if (q4) HELD8(1, 4); else HELD8(0, 4); }
+    else if (T == 3) { if (q4) HELD8(1, 3); else HELD8(0, 3); }
+    else if (T == 2) { if (q4) HELD8(1, 2); else HELD8(0, 2); }
+    else { if (q4) HELD8(1, 1); else HELD8(0, 1); }
+#undef HELD8
 }
 #else
 #define BI_ACT8 0
@@ -614,15 +793,10 @@ int bi_linear_forward8(const bi_linear *l, int rows, const float *x, float *y, i
             for (int r = r0; r < r0 + rr; r++)
                 quantize_groups8(x + (int64_t)r * k, groups, xq + (int64_t)r * k,
                                  xs + (int64_t)r * groups, xsum + (int64_t)r * groups, !q4);
-            for (int t = 0; t < tiles; t++) {
-                float *yb = y + (int64_t)r0 * l->n;
-                const int8_t *qb = xq + (int64_t)r0 * k;
-                const float *sb = xs + (int64_t)r0 * groups, *ub = xsum + (int64_t)r0 * groups;
-                if (q4)
-                    quant_tile_rows8_kind(l, 1, t, qb, sb, ub, rr, yb, l->n);
-                else
-                    quant_tile_rows8_kind(l, 0, t, qb, sb, ub, rr, yb, l->n);
-            }
+            for (int t = 0; t < tiles; t += HELD_TILES)
+                held_tiles8(l, t, tiles - t < HELD_TILES ? tiles - t : HELD_TILES,
+                            xq + (int64_t)r0 * k, xs + (int64_t)r0 * groups,
+                            xsum + (int64_t)r0 * groups, rr, y + (int64_t)r0 * l->n, l->n);
         }
         free(scratch);
         return 0;
@@ -651,6 +825,151 @@ static void rope(float *v, const float *cos_row, const float *sin_row, int half)
         v[i + half] = b * cos_row[i] + a * sin_row[i];
     }
 }
+
+/* ---- KV cache element types ------------------------------------------------------------
+ *
+ * Stores round to nearest, ties to even, as torch's conversions do (the torch path and this
+ * one write the same bytes); 8-bit values are clamped to the type's largest first. Reads widen
+ * exactly: float16 and e5m2 (float16's top byte) through the half-precision converter, e4m3
+ * by moving its fields into a float16 and scaling by 2^8, bfloat16 by a shift. */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static int kv_element_bytes(int type) {
+    return type == BI_KV_F32 ? 4 : type == BI_KV_F16 || type == BI_KV_BF16 ? 2 : 1;
+}
+
+static uint16_t f32_to_f16(float f) {
+    uint32_t x = f32_bits(f);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    x &= 0x7FFFFFFFu;
+    if (x >= 0x7F800000u) return sign | 0x7C00 | (x > 0x7F800000u ? 0x200 : 0);
+    if (x >= 0x477FF000u) return sign | 0x7C00;  /* rounds past 65504: infinity */
+    if (x < 0x38800000u)  /* below 2^-14: a subnormal half, in units of 2^-24 */
+        return sign | (uint16_t)nearbyintf(bits_f32(x) * 16777216.f);
+    x += 0xFFFu + ((x >> 13) & 1);
+    return sign | (uint16_t)((x - 0x38000000u) >> 13);
+}
+
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    if (e == 0) return bits_f32(sign | f32_bits((float)m * 5.9604644775390625e-8f));
+    if (e == 31) return bits_f32(sign | 0x7F800000u | (m << 13));
+    return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+/* An 8-bit float with `mbits` mantissa bits and exponent bias `bias`, from |f| <= its largest. */
+static uint8_t f32_to_f8(float f, int mbits, int bias) {
+    uint32_t x = f32_bits(f);
+    const uint8_t sign = (uint8_t)((x >> 24) & 0x80);
+    x &= 0x7FFFFFFFu;
+    if (x < (uint32_t)(128 - bias) << 23)  /* below the smallest normal: units of 2^(1-bias-m) */
+        return sign | (uint8_t)nearbyintf(bits_f32(x) * ldexpf(1.f, bias - 1 + mbits));
+    const int drop = 23 - mbits;
+    x += (1u << (drop - 1)) - 1 + ((x >> drop) & 1);
+    return sign | (uint8_t)((((x >> 23) - 127 + bias) << mbits) | ((x >> drop) & ((1u << mbits) - 1)));
+}
+
+static inline uint16_t e4m3_as_f16(uint8_t b) {  /* its value / 2^8, as float16 bits */
+    return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+}
+
+/* dst[i] = src[i] / scale stored as `type` (scale 1 for the 16- and 32-bit types). */
+static void kv_store(const float *src, int n, int type, float scale, void *dst) {
+    switch (type) {
+    case BI_KV_F32: memcpy(dst, src, sizeof(float) * n); return;
+    case BI_KV_F16:
+        for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = f32_to_f16(src[i]);
+        return;
+    case BI_KV_BF16:
+        for (int i = 0; i < n; i++) {
+            const uint32_t x = f32_bits(src[i]);
+            ((uint16_t *)dst)[i] = isnan(src[i]) ? (uint16_t)((x >> 16) | 0x40)
+                                                 : (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1)) >> 16);
+        }
+        return;
+    default: {
+        const int e4 = type == BI_KV_E4M3;
+        const float top = e4 ? 448.f : 57344.f;
+        for (int i = 0; i < n; i++) {
+            float v = src[i] / scale;
+            v = v > top ? top : v < -top ? -top : v;
+            ((uint8_t *)dst)[i] = f32_to_f8(v, e4 ? 3 : 2, e4 ? 7 : 15);
+        }
+    }
+    }
+}
+
+/* dst[i] = the value of src[i], a cache element of `type`, for i < n. */
+static void kv_load(const void *src, int64_t n, int type, float *dst) {
+    int64_t i = 0;
+    switch (type) {
+    case BI_KV_F32: memcpy(dst, src, sizeof(float) * n); return;
+    case BI_KV_F16: {
+        const uint16_t *h = src;
+#if BI_AVX512
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(h + i))));
+#endif
+        for (; i < n; i++) dst[i] = f16_to_f32(h[i]);
+        return;
+    }
+    case BI_KV_BF16: {
+        const uint16_t *h = src;
+#if BI_AVX512
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(h + i))), 16)));
+#endif
+        for (; i < n; i++) dst[i] = bits_f32((uint32_t)h[i] << 16);
+        return;
+    }
+    case BI_KV_E5M2: {
+        const uint8_t *b = src;
+#if BI_AVX512
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_slli_epi16(
+                _mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)(b + i))), 8)));
+#endif
+        for (; i < n; i++) dst[i] = f16_to_f32((uint16_t)(b[i] << 8));
+        return;
+    }
+    default: {
+        const uint8_t *b = src;
+#if BI_AVX512
+        const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
+        const __m512 two8 = _mm512_set1_ps(256.f);
+        for (; i + 16 <= n; i += 16) {
+            const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)(b + i)));
+            const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, sign), 8),
+                                              _mm256_slli_epi16(_mm256_and_si256(x, rest), 7));
+            _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(h), two8));
+        }
+#endif
+        for (; i < n; i++) dst[i] = f16_to_f32(e4m3_as_f16(b[i])) * 256.f;
+    }
+    }
+}
+
+/* Test hooks: `n` floats stored as cache elements of `type` (divided by `scale`), and read back. */
+void bi_kv_store(const float *src, int64_t n, int type, float scale, void *dst) {
+    const int64_t step = 1 << 20;
+    for (int64_t i = 0; i < n; i += step)
+        kv_store(src + i, (int)(n - i < step ? n - i : step), type, scale,
+                 (char *)dst + i * kv_element_bytes(type));
+}
+
+void bi_kv_load(const void *src, int64_t n, int type, float *dst) { kv_load(src, n, type, dst); }
 
 #if BI_AVX512
 /* e^x, relative error ~1e-7 (x clamped to [-87, 88]): 2^(x log2 e) split into an integer
@@ -852,14 +1171,18 @@ static void block_values(const float *p, const float *values, int n, int per_kv,
  * blocks [first_block, last_block) of its table (this step's K/V already written), `context`
  * tokens in all. Writes per head the unnormalized output `out[h][d]`, the largest score
  * `mx[h]` and the sum of exp(score - mx) `total[h]` (an online softmax, block by block), for
- * `merge_parts` to combine. `scores`: per_kv * block_size floats. */
-static void attend_part(const bi_model *m, const float *layer_cache, const float *q,
+ * `merge_parts` to combine. `scores`: per_kv * block_size floats; `widened`: 2 * block_size *
+ * head_dim floats, where a block of a narrower cache is widened to float32 (in L1) before the
+ * float32 kernels read it. An 8-bit cache's scales fold into the scores' scale and the
+ * output: q . (K k_scale) = (q . K) k_scale, and the output is linear in V. */
+static void attend_part(const bi_model *m, const void *layer_cache, const float *q,
                         int64_t context, const int64_t *table, int64_t first_block,
-                        int64_t last_block, int kvh, float *out, float *mx, float *total,
-                        float *scores) {
+                        int64_t last_block, int kvh, float k_scale, float v_scale, float *out,
+                        float *mx, float *total, float *scores, float *widened) {
     const int d = m->head_dim, bs = m->block_size, kv = m->num_kv_heads;
-    const int per_kv = m->num_heads / kv;
-    const float scale = 1.f / sqrtf((float)d);
+    const int per_kv = m->num_heads / kv, type = m->kv_type;
+    const int64_t eb = kv_element_bytes(type);
+    const float scale = k_scale / sqrtf((float)d);
     for (int h = 0; h < per_kv; h++) {
         mx[h] = -INFINITY;
         total[h] = 0.f;
@@ -869,8 +1192,15 @@ static void attend_part(const bi_model *m, const float *layer_cache, const float
         const int64_t t0 = b * bs;
         const int n = context - t0 < bs ? (int)(context - t0) : bs;
         const int64_t block = table[b];
-        const float *keys = layer_cache + ((block * 2 + 0) * kv + kvh) * (int64_t)bs * d;
-        const float *values = layer_cache + ((block * 2 + 1) * kv + kvh) * (int64_t)bs * d;
+        const char *k_at = (const char *)layer_cache + ((block * 2 + 0) * kv + kvh) * bs * d * eb;
+        const char *v_at = (const char *)layer_cache + ((block * 2 + 1) * kv + kvh) * bs * d * eb;
+        const float *keys = (const float *)k_at, *values = (const float *)v_at;
+        if (type != BI_KV_F32) {
+            kv_load(k_at, (int64_t)n * d, type, widened);
+            kv_load(v_at, (int64_t)n * d, type, widened + (int64_t)bs * d);
+            keys = widened;
+            values = widened + (int64_t)bs * d;
+        }
         block_scores(q, keys, n, per_kv, d, scale, scores, bs);
         for (int h = 0; h < per_kv; h++) {
             float *sh = scores + h * bs, *oh = out + h * d;
@@ -887,6 +1217,8 @@ static void attend_part(const bi_model *m, const float *layer_cache, const float
         }
         block_values(scores, values, n, per_kv, d, out, bs);
     }
+    if (v_scale != 1.f)
+        for (int i = 0; i < per_kv * d; i++) out[i] *= v_scale;
 }
 
 /* The attention of `heads` query heads from `parts` partial results (`attend_part`), each
@@ -959,9 +1291,9 @@ static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float
     const int64_t done = TAKE((int64_t)m->num_layers * rows * kv);
 #undef TAKE
     /* per thread: normalized input, silu(gate) * up, a linear's prepared input, scores,
-     * rotated queries */
+     * rotated queries, a widened block of keys and values */
     s.private_floats = rows * (h + m->intermediate) + floats_for(input_bytes(max_k(m), rows))
-                       + per_kv * (m->block_size + d) + 16;
+                       + per_kv * (m->block_size + d) + 2 * m->block_size * d + 16;
     s.total = at + threads * s.private_floats;
     if (work) {
         s.x = work + x; s.qkv = work + q; s.att = work + a; s.att_in = work + att_in;
@@ -1004,7 +1336,7 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
     const int qkv_n = (heads + 2 * kv) * d, att_n = heads * d, per_kv = heads / kv;
     const int max_parts = parts_wanted(rows, kv, threads);
     const int64_t part_stride = (int64_t)per_kv * (d + 2);
-    const int64_t layer_stride = m->num_blocks * 2 * kv * (int64_t)bs * d;
+    const int64_t layer_bytes = m->num_blocks * 2 * kv * (int64_t)bs * d * kv_element_bytes(m->kv_type);
     const bi_scratch s = scratch_layout(m, rows, threads, work);
     float *x = s.x, *qkv = s.qkv, *att = s.att, *gu = s.gu;
     const bi_input att_in = input_at(att, att_n, att_n, rows, s.att_in);
@@ -1020,9 +1352,12 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
         void *in_scratch = act + rows * inter;
         float *scores = (float *)in_scratch + floats_for(input_bytes(max_k(m), rows));
         float *q_rot = scores + per_kv * bs;
+        float *widened = q_rot + per_kv * d;
         for (int li = 0; li < m->num_layers; li++) {
             const bi_layer *L = m->layers + li;
-            float *cache = m->kv_cache + li * layer_stride;
+            char *cache = (char *)m->kv_cache + li * layer_bytes;
+            const float k_scale = m->kv_scales ? m->kv_scales[2 * li] : 1.f;
+            const float v_scale = m->kv_scales ? m->kv_scales[2 * li + 1] : 1.f;
             int32_t *done = s.done + (int64_t)li * rows * kv;
             bi_input in = norm_rows(m, x, L->input_norm, rows, &L->qkv, h, in_scratch);
             linear_share(&L->qkv, &in, rows, qkv, qkv_n, 0);
@@ -1042,18 +1377,20 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                 for (int j = 0; j < per_kv; j++) rope(q_rot + j * d, c, sn, half);
                 if (part == num_parts - 1) {  /* the part that reads the new token's slot */
                     const int64_t block = slots[r] / bs, offset = slots[r] % bs;
-                    float *kdst = cache + (((block * 2 + 0) * kv + i) * bs + offset) * d;
-                    float *vdst = cache + (((block * 2 + 1) * kv + i) * bs + offset) * d;
-                    memcpy(kdst, row + (heads + i) * d, sizeof(float) * d);
-                    rope(kdst, c, sn, half);
-                    memcpy(vdst, row + (heads + kv + i) * d, sizeof(float) * d);
+                    const int64_t eb = kv_element_bytes(m->kv_type);
+                    char *kdst = cache + (((block * 2 + 0) * kv + i) * bs + offset) * d * eb;
+                    char *vdst = cache + (((block * 2 + 1) * kv + i) * bs + offset) * d * eb;
+                    memcpy(widened, row + (heads + i) * d, sizeof(float) * d);
+                    rope(widened, c, sn, half);
+                    kv_store(widened, d, m->kv_type, k_scale, kdst);
+                    kv_store(row + (heads + kv + i) * d, d, m->kv_type, v_scale, vdst);
                 }
                 float *first = s.parts + (int64_t)(r * kv + i) * max_parts * part_stride;
                 float *out = first + part * part_stride;
                 float mx[per_kv], total[per_kv], acc[per_kv * d];
                 attend_part(m, cache, q_rot, context, block_ids + block_starts[r],
-                            blocks * part / num_parts, blocks * (part + 1) / num_parts, i, acc,
-                            mx, total, scores);
+                            blocks * part / num_parts, blocks * (part + 1) / num_parts, i,
+                            k_scale, v_scale, acc, mx, total, scores, widened);
                 for (int j = 0; j < per_kv; j++) {
                     memcpy(out + j * (d + 2), acc + j * d, sizeof(float) * d);
                     out[j * (d + 2) + d] = mx[j];

@@ -16,8 +16,10 @@ kernel's, or one kept for decode steps that reads the same weights (`q4_native` 
 4-bit kernels, `int8_native` beside its int8 ones, `q8_native` for q8 weights, the float32
 weight beside `packed`). Other
 steps (prefill chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
-a float32 cache in the block-rows layout (`cpu_sparse`, `gather`); `NativeDecoder.build` says
-why not otherwise. The two paths compute the same function (the same weights; the native
+a cache in the block-rows layout (`cpu_sparse`, `gather`) of float32, float16, bfloat16 or FP8
+(`--kv-cache-dtype`): a narrower cache is read a block at a time, widened to float32 in L1,
+and written with the bytes the torch path writes (FP8 with the layer's scales), so a step
+reads half or a quarter of float32's cache bytes; `NativeDecoder.build` says why not otherwise. The two paths compute the same function (the same weights; the native
 kernels round activations to 16 bits per group of 32): tests/test_native.py checks their
 logits against each other.
 """
@@ -76,6 +78,7 @@ class NativeDecoder:
             self._model_struct(b) if on else None for b, on in enumerate(buckets)]
         self._work = torch.empty(0)
         self._logits = torch.empty(0)
+        self._kv_scales = torch.empty(0)
 
     @classmethod
     def build(cls, model: object, backend: object) -> tuple[NativeDecoder | None, str]:
@@ -85,8 +88,9 @@ class NativeDecoder:
             return None, "the native kernels are not built here"
         if not isinstance(model, LlamaForCausalLM):
             return None, "not a Llama-family model"
-        if not isinstance(backend, PagedRowsBackend) or backend.kv_dtype != torch.float32:
-            return None, "needs a float32 KV cache in the block-rows layout"
+        if not isinstance(backend, PagedRowsBackend) or backend.kv_dtype not in native.KV_TYPES:
+            return None, ("needs a KV cache in the block-rows layout of float32, float16, "
+                          "bfloat16 or FP8")
         if backend.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.float32:
             return None, "needs float32 weights on the CPU"
         spec = model.spec
@@ -123,7 +127,8 @@ class NativeDecoder:
         facts = {
             "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "spec": [str(v) for v in astuple(self.model.spec)],
-            "block_size": self.backend.block_size, "source": native.source_digest(),
+            "block_size": self.backend.block_size, "kv_dtype": str(self.backend.kv_dtype),
+            "source": native.source_digest(),
             "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
                                for m in linears}),
             # 8-bit inputs (`--prefill-activations int8`) speed up the torch side's products
@@ -165,9 +170,10 @@ class NativeDecoder:
         struct = native.Model(
             spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.intermediate_size, spec.vocab_size, self.backend.block_size,
-            spec.rms_norm_eps, 0.0, model.embed_tokens.weight.data_ptr(),
-            model.norm.weight.data_ptr(), model.rope_cos.data_ptr(), model.rope_sin.data_ptr(),
-            layers, _linear(model.lm_head), 0, 0)
+            spec.rms_norm_eps, native.KV_TYPES[self.backend.kv_dtype],
+            model.embed_tokens.weight.data_ptr(), model.norm.weight.data_ptr(),
+            model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), layers,
+            _linear(model.lm_head), 0, 0, 0)
         return struct, layers, forms
 
     def accepts(self, inputs: StepInputs) -> bool:
@@ -186,6 +192,9 @@ class NativeDecoder:
         cache = self.backend.kv_cache  # read each step: the backend may reallocate it
         struct.kv_cache, struct.num_blocks = cache.data_ptr(), cache.shape[1]
         struct.block_size = self.backend.block_size
+        if self.backend.quantized:  # FP8: the layers' scales, as the torch path has them now
+            self._kv_scales = torch.tensor(self.backend.kv_scales, dtype=torch.float32)
+            struct.kv_scales = self._kv_scales.data_ptr()
         threads = torch.get_num_threads()
         need = self.lib.bi_work_floats(ctypes.byref(struct), rows, threads)
         if self._work.numel() < need:
