@@ -59,6 +59,7 @@ BUCKETS = ("linear", "attention", "gather", "native", "other")
 _TIMED: list[tuple[Any, str, str]] = [
     (F, "linear", "linear"),
     (KernelLinear, "forward", "linear"),
+    (KernelLinear, "add_into", "linear"),  # o_proj / down_proj adding into the residual
     (paged_rows.PagedRowsBackend, "__call__", "attention"),
     (SdpaBackend, "__call__", "attention"),
     (paged_rows, "gather_blocks", "gather"),

@@ -111,8 +111,8 @@ class EngineConfig:
         "q4), q8_native, q8_dense (quantization q8)"))
     prefill_activations: str = field(default="int16", metadata=_help(
         "CPU native kernels of quantized weights (q4, q8, int8) in the decoder layers: the "
-        "inputs of products of 32 rows a thread and more (prefill chunks; decode steps of that "
-        "many sequences run by the torch model) rounded per group of 32 to int16 (~1e-5 of "
+        "inputs of products of 8 rows and more (prefill chunks; decode steps of 8+ sequences, "
+        "native or not) rounded per group of 32 to int16 (~1e-5 of "
         "the group's largest value), or int8 (AVX-512 VNNI: products ~1.5x faster than with "
         "int16; like llama.cpp's and OpenVINO's 8-bit activations, logits move by ~1e-2 of "
         "their range, so fewer greedy tokens match float32's)"))

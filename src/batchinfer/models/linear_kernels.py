@@ -358,6 +358,16 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
 
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """`y += self(x)` in place: inside a native kernel's epilogue where the bucket's kernel
+        is one and `y` is a contiguous float32 CPU tensor, else by an addition."""
+        fn = self._fns[bucket_of(x.numel() // x.shape[-1])]
+        if (isinstance(fn, NativeLinear) and y.dtype == torch.float32 and y.device.type == "cpu"
+                and y.is_contiguous()):
+            fn.add_into(y, x)
+        else:
+            y.add_(fn(x))
+
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{b}: {k}" for b, k in zip(BUCKET_NAMES, self.kernels, strict=True))
         return f"in_features={self.in_features}, out_features={self.out_features}, {chosen}"

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.models.linear_kernels import KernelPlan, apply_kernels
+from batchinfer.models.linear_kernels import KernelLinear, KernelPlan, apply_kernels
+from batchinfer.native import elementwise
 
 # (layer_idx, q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim], v same)
 #   -> [num_tokens, num_heads, head_dim]. q and k already have RoPE applied.
@@ -196,6 +197,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class Rotary:
+    """One step's RoPE: every token's angles, by its position, for all layers.
+
+    On float32 CPU activations the heads rotate in place in one native pass that reads the
+    tables by position (`native/elementwise.py`); elsewhere each token's `cos`/`sin` rows are
+    gathered once a step and `apply_rope` makes new rotated heads.
+    """
+
+    def __init__(self, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.lib = elementwise.library_for_dtype(dtype, positions.device)
+        if self.lib is not None and positions.numel():
+            low, high = (int(p) for p in positions.aminmax())
+            if low < 0 or high >= cos_table.shape[0]:  # the table lookup below would raise
+                raise IndexError(f"positions must lie in [0, {cos_table.shape[0]}), "
+                                 f"got {low}..{high}")
+        if self.lib is not None:
+            self.positions = positions.contiguous()
+            self.cos, self.sin = cos_table, sin_table
+        else:  # [n, 1, head_dim // 2]
+            self.cos = cos_table[positions].unsqueeze(1).to(dtype)
+            self.sin = sin_table[positions].unsqueeze(1).to(dtype)
+
+    def rotated(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """The first `heads` heads of `x` `[n, all_heads, head_dim]` rotated: rotated in place
+        and returned as a view where native, else a new tensor (`x` unchanged)."""
+        if (self.lib is not None and x.dtype == torch.float32 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2]):
+            elementwise.rotate_(self.lib, x, heads, self.positions, self.cos, self.sin)
+            return x[:, :heads]
+        if self.lib is not None:  # an unusual layout: the torch form, its rows gathered now
+            cos = self.cos[self.positions].unsqueeze(1).to(x.dtype)
+            sin = self.sin[self.positions].unsqueeze(1).to(x.dtype)
+            return apply_rope(x[:, :heads], cos, sin)
+        return apply_rope(x[:, :heads], self.cos, self.sin)
+
+
+def add_linear_(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`residual += linear(x)` in place, inside the product's epilogue where its kernel can
+    (`KernelLinear.add_into`); returns `residual`."""
+    if isinstance(linear, KernelLinear):
+        linear.add_into(residual, x)
+    else:
+        residual.add_(linear(x))
+    return residual
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -207,7 +255,11 @@ class RMSNorm(nn.Module):
 
         Written out (`x * rsqrt(mean(x^2) + eps) * weight`, Hugging Face's formula) rather than
         `F.rms_norm`, which on CPU runs 8x slower at 512 rows (0.91 ms against 0.12 ms for a
-        576-wide chunk here): 61 norms a step."""
+        576-wide chunk here): 61 norms a step. On float32 CPU rows, one native pass instead
+        of six (`native/elementwise.py`)."""
+        lib = elementwise.library_for(x, self.weight)
+        if lib is not None and x.dim() == 2:
+            return elementwise.rms_norm(lib, x, self.weight, self.eps)
         inverse = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return (x * inverse).mul_(self.weight.to(x.dtype)).to(self.weight.dtype)
 
@@ -226,16 +278,17 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+        self, x: torch.Tensor, rotary: Rotary, attention: AttentionFn, residual: torch.Tensor
     ) -> torch.Tensor:
+        """`residual += o_proj(attention(x))` in place; returns `residual`."""
         num_tokens = x.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, h + 2 * kv, self.head_dim)  # [n, h+2kv, d]
-        qk = apply_rope(qkv[:, : h + kv], cos, sin)  # [n, h+kv, d]: q and k rotated at once
+        qk = rotary.rotated(qkv, h + kv)  # [n, h+kv, d]: q and k rotated at once
         q, k = qk[:, :h], qk[:, h:]  # [n, h, d], [n, kv, d]: strided views of qk
         v = qkv[:, h + kv :]  # [n, kv, d], a strided view of qkv
         out = attention(self.layer_idx, q, k, v)  # [n, h, d]
-        return self.o_proj(out.reshape(num_tokens, h * self.head_dim))  # [n, hidden]
+        return add_linear_(residual, self.o_proj, out.reshape(num_tokens, h * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -244,11 +297,17 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [n, intermediate] each
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual += down_proj(silu(gate) * up)` in place; returns `residual`."""
+        gate_up = self.gate_up_proj(x)  # [n, 2 * intermediate]
+        lib = elementwise.library_for(gate_up)
+        if lib is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            # one pass into a new contiguous tensor, as the native product reads it
+            return add_linear_(residual, self.down_proj, elementwise.silu_mul(lib, gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [n, intermediate] each
         # SwiGLU in place in the projection's output (no new [n, intermediate] tensors);
         # down_proj reads the strided gate half directly.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # [n, hidden]
+        return add_linear_(residual, self.down_proj, F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -259,12 +318,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, attention: AttentionFn) -> torch.Tensor:
         """Updates the residual stream `x` `[n, hidden]` (float32) IN PLACE and returns it."""
-        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attention))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        self.self_attn(self.input_layernorm(x), rotary, attention, x)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -301,16 +358,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [n, hidden], a new tensor: layers update it in place
-        # One table lookup per step, shared by every layer: [n, 1, head_dim // 2]
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        rotary = Rotary(self.rope_cos, self.rope_sin, positions, x.dtype)  # shared by layers
         # The residual stream stays float32 whatever the weights' dtype: in bfloat16 each of
         # the 2 * num_layers additions would round it to 8 mantissa bits, a large share of
         # bfloat16's error against float32 and enough to flip near-tied greedy picks
         # (docs/architecture.md, "bfloat16 accuracy").
         x = x.float()
         for layer in self.layers:
-            x = layer(x, cos, sin, attention)
+            x = layer(x, rotary, attention)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ class Model(ctypes.Structure):
                 ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(Layer)), ("lm_head", Linear),
                 ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
-                ("kv_scales", ctypes.c_void_p)]
+                ("kv_scales", ctypes.c_void_p), ("act8", ctypes.c_int32)]
 
 
 # The KV cache element types `bi_decode` reads and writes (`bi_model.kv_type`).
@@ -146,7 +146,7 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
         return None
     lib.bi_avx512.restype = ctypes.c_int
     lib.bi_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_int]
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.bi_linear_forward.restype = ctypes.c_int
     lib.bi_linear_forward8.argtypes = lib.bi_linear_forward.argtypes
     lib.bi_linear_forward8.restype = ctypes.c_int
@@ -167,6 +167,17 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
     lib.bi_kv_store.restype = None
     lib.bi_kv_load.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     lib.bi_kv_load.restype = None
+    lib.bi_rms_norm_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+                                     ctypes.c_int]
+    lib.bi_rms_norm_rows.restype = None
+    lib.bi_silu_mul_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_void_p, ctypes.c_int]
+    lib.bi_silu_mul_rows.restype = None
+    lib.bi_rope_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int]
+    lib.bi_rope_rows.restype = None
     logger.info("native CPU kernels loaded from %s (%s)", target,
                 "AVX-512" if lib.bi_avx512() else "portable C")
     return lib

@@ -45,6 +45,12 @@
 #else
 #define BI_AVX512 0
 #endif
+/* 8-bit inputs' products (`vpdpbusd`) where AVX-512 VNNI is there */
+#if BI_AVX512 && defined(__AVX512VNNI__)
+#define BI_ACT8 1
+#else
+#define BI_ACT8 0
+#endif
 
 #define TILE_F32 4  /* outputs per tile of the float32 kernel */
 #define TILE_Q 16   /* outputs per tile of the quantized layouts: one per 32-bit lane */
@@ -84,6 +90,7 @@ typedef struct {
     void *kv_cache;  /* [layers][num_blocks][2][kv_heads][block_size][head_dim], of kv_type */
     int64_t num_blocks;
     const float *kv_scales;  /* [layers][2]: k_scale, v_scale; NULL: all 1 */
+    int32_t act8;  /* 1: the layers' quantized products of MIN_HELD_ROWS+ rows take 8-bit inputs */
 } bi_model;
 
 int bi_avx512(void) { return BI_AVX512; }
@@ -102,6 +109,7 @@ typedef struct {
     int16_t *q;   /* [rows][k] */
     float *scale; /* [rows][k / 32] */
     float *sum;   /* [rows][k / 32] */
+    int8_t *q8;   /* [rows][k]: where set, the rows rounded to 8 bits instead (in q's room) */
 } bi_input;
 
 /* A group whose largest |x| is below this is taken as zeros (32767 / top would overflow). */
@@ -141,12 +149,27 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
     }
 }
 
+#if BI_ACT8  /* the 8-bit inputs' kernels (below) */
+static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale, float *sum,
+                             int flip);
+static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, const float *xs,
+                        const float *xsum, int rows, float *y, int64_t ldy, int accumulate);
+#endif
+
 static void prepare_rows(const bi_linear *l, bi_input *in, int rows) {
     if (l->kind == BI_F32) return;
     const int groups = num_groups(l);
-    for (int r = 0; r < rows; r++)
-        quantize_groups(in->x + r * in->ldx, groups, in->q + (int64_t)r * l->k,
-                        in->scale + (int64_t)r * groups, in->sum + (int64_t)r * groups);
+    for (int r = 0; r < rows; r++) {
+#if BI_ACT8
+        if (in->q8)
+            quantize_groups8(in->x + r * in->ldx, groups, in->q8 + (int64_t)r * l->k,
+                             in->scale + (int64_t)r * groups, in->sum + (int64_t)r * groups,
+                             l->kind == BI_Q8);
+        else
+#endif
+            quantize_groups(in->x + r * in->ldx, groups, in->q + (int64_t)r * l->k,
+                            in->scale + (int64_t)r * groups, in->sum + (int64_t)r * groups);
+    }
 }
 
 static inline void finish(float *y, int j, float v, const float *bias, int accumulate) {
@@ -269,7 +292,8 @@ static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0
     } else {
         const int groups = num_groups(l);
         const bi_input part = {NULL, 0, in->q + (int64_t)r0 * l->k,
-                               in->scale + (int64_t)r0 * groups, in->sum + (int64_t)r0 * groups};
+                               in->scale + (int64_t)r0 * groups, in->sum + (int64_t)r0 * groups,
+                               NULL};
 #define Q_ROWS(R) quant_tile(l, tile, &part, R, y, ldy, accumulate)
         DISPATCH_ROWS(Q_ROWS)
     }
@@ -324,10 +348,9 @@ static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0
  * shares of the tiles (`bi_linear_forward`). */
 #define BLOCK_ROWS 32
 #define MIN_HELD_ROWS 8
-/* Tiles (of 16 outputs) the held-weight kernels take together, and rows per pass: 3 x 4 = 12
+/* Tiles (of 16 outputs) the held-weight kernels take together, and rows per pass: 4 x 4 = 16
  * independent chains of multiply-adds, enough to keep both of a core's vector units busy
- * through the instruction's latency, with the weights of 3 tiles and an input in registers
- * (27 of the 32). */
+ * through the instruction's latency (the tiles' weights for the group are read from L1). */
 #define HELD_TILES 4
 #define HELD_ROWS 4
 
@@ -493,9 +516,23 @@ static void held_tiles16(const bi_linear *l, int tile, int T, const bi_input *in
 #endif
 
 /* Tiles [first, last) for every row: quantized weights for at least MIN_HELD_ROWS rows
- * unpacked once per group (`held_tiles16`), else per ROW_TILE rows. */
+ * unpacked once per group (`held_tiles16`, or `held_tiles8` for 8-bit inputs), else per
+ * ROW_TILE rows. */
 static void linear_tiles(const bi_linear *l, int first, int last, const bi_input *in,
                          int rows, float *y, int64_t ldy, int accumulate) {
+#if BI_ACT8
+    if (in->q8) {  /* set only for quantized weights and MIN_HELD_ROWS rows or more */
+        const int groups = num_groups(l);
+        for (int t = first; t < last; t += HELD_TILES)
+            for (int r0 = 0; r0 < rows; r0 += BLOCK_ROWS)
+                held_tiles8(l, t, last - t < HELD_TILES ? last - t : HELD_TILES,
+                            in->q8 + (int64_t)r0 * l->k, in->scale + (int64_t)r0 * groups,
+                            in->sum + (int64_t)r0 * groups,
+                            rows - r0 < BLOCK_ROWS ? rows - r0 : BLOCK_ROWS, y + r0 * ldy, ldy,
+                            accumulate);
+        return;
+    }
+#endif
 #if BI_AVX512
     if (l->kind != BI_F32 && rows >= MIN_HELD_ROWS) {
         const int groups = num_groups(l);
@@ -504,7 +541,7 @@ static void linear_tiles(const bi_linear *l, int first, int last, const bi_input
             for (int r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
                 const bi_input part = {NULL, 0, in->q + (int64_t)r0 * l->k,
                                        in->scale + (int64_t)r0 * groups,
-                                       in->sum + (int64_t)r0 * groups};
+                                       in->sum + (int64_t)r0 * groups, NULL};
                 const int rr = rows - r0 < BLOCK_ROWS ? rows - r0 : BLOCK_ROWS;
                 held_tiles16(l, t, T, &part, rr, y + r0 * ldy, ldy, accumulate);
             }
@@ -533,18 +570,21 @@ static int64_t input_bytes(int64_t k, int rows) {
 }
 
 static bi_input input_at(const float *x, int64_t ldx, int64_t k, int rows, void *scratch) {
-    bi_input in = {x, ldx, (int16_t *)scratch, NULL, NULL};
+    bi_input in = {x, ldx, (int16_t *)scratch, NULL, NULL, NULL};
     in.scale = (float *)(in.q + rows * k);
     in.sum = in.scale + rows * (k / GROUP);
     return in;
 }
 
-/* y[rows][n] = x[rows][k] W^T (+ bias), on `threads` threads. Returns 0, or -1 when the
- * input's scratch cannot be had. */
-int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, int threads) {
+/* y[rows][n] = x[rows][k] W^T (+ bias) (`accumulate`: y += that), on `threads` threads, the
+ * inputs rounded to 8 bits where `eight` (quantized weights, MIN_HELD_ROWS rows or more).
+ * Returns 0, or -1 when the input's scratch cannot be had. */
+static int linear_forward(const bi_linear *l, int rows, const float *x, float *y,
+                          int accumulate, int threads, int eight) {
     void *scratch = malloc(input_bytes(l->k, rows) + 64);
     if (!scratch) return -1;
     bi_input in = input_at(x, l->k, l->k, rows, scratch);
+    if (eight) in.q8 = (int8_t *)in.q;
     if (rows >= BLOCK_ROWS * threads) {
         /* Many rows: each thread takes blocks of rows and runs every tile over a block (the
          * block's inputs stay in its core's cache while the weights stream past), rather than
@@ -560,17 +600,24 @@ int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, in
                 part.q = in.q + (int64_t)r0 * l->k;
                 part.scale = in.scale + (int64_t)r0 * num_groups(l);
                 part.sum = in.sum + (int64_t)r0 * num_groups(l);
+                if (eight) part.q8 = in.q8 + (int64_t)r0 * l->k;
                 prepare_rows(l, &part, rr);
             }
-            linear_tiles(l, 0, l->n / tile_of(l), &part, rr, y + (int64_t)r0 * l->n, l->n, 0);
+            linear_tiles(l, 0, l->n / tile_of(l), &part, rr, y + (int64_t)r0 * l->n, l->n,
+                         accumulate);
         }
     } else {
         prepare_rows(l, &in, rows);
 #pragma omp parallel num_threads(threads)
-        linear_share(l, &in, rows, y, l->n, 0);
+        linear_share(l, &in, rows, y, l->n, accumulate);
     }
     free(scratch);
     return 0;
+}
+
+int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, int accumulate,
+                      int threads) {
+    return linear_forward(l, rows, x, y, accumulate, threads, 0);
 }
 
 /* ---- 8-bit activations (opt-in, many rows) -------------------------------------------
@@ -582,9 +629,7 @@ int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, in
  * q4 as unsigned bytes (0..15) against signed inputs; q8 signed against the inputs stored
  * unsigned (+128), the 128 x sum of the weights taken off again. The error per input is up to
  * 1/254 of its group's largest, where the 16-bit rounding's is 1/65534. */
-#if BI_AVX512 && defined(__AVX512VNNI__)
-#define BI_ACT8 1
-
+#if BI_ACT8
 /* Groups of one row into int8 (`flip`: stored as unsigned, +128), scales and float sums. */
 static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale, float *sum,
                              int flip) {
@@ -722,7 +767,8 @@ rows_tiles8_4x4(const __m512i *wb, const __m512i *wsum, const int Q4, const int8
 /* Tiles [tile, tile + T) for up to BLOCK_ROWS rows of 8-bit inputs (see held_tiles16_kind). */
 static inline __attribute__((always_inline)) void
 held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const int8_t *xq,
-                 const float *xs, const float *xsum, int rows, float *y, int64_t ldy) {
+                 const float *xs, const float *xsum, int rows, float *y, int64_t ldy,
+                 int accumulate) {
     const int groups = num_groups(l), k = l->k;
     __m512i wb[HELD_TILES * 8], wsum[HELD_TILES];
     float acc[BLOCK_ROWS * HELD_TILES * TILE_Q] __attribute__((aligned(64)));
@@ -755,13 +801,13 @@ held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const 
         const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
         for (int r = 0; r < rows; r++)
             finish16(y + r * ldy + (tile + t) * TILE_Q,
-                     _mm512_load_ps(acc + (r * HELD_TILES + t) * TILE_Q), bias, 0);
+                     _mm512_load_ps(acc + (r * HELD_TILES + t) * TILE_Q), bias, accumulate);
     }
 }
 
 static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, const float *xs,
-                        const float *xsum, int rows, float *y, int64_t ldy) {
-#define HELD8(Q, N) held_tiles8_kind(l, Q, tile, N, xq, xs, xsum, rows, y, ldy)
+                        const float *xsum, int rows, float *y, int64_t ldy, int accumulate) {
+#define HELD8(Q, N) held_tiles8_kind(l, Q, tile, N, xq, xs, xsum, rows, y, ldy, accumulate)
     const int q4 = l->kind == BI_Q4;
     if (T == 4) { if (q4) HELD8(1, 4); else HELD8(0, 4); }
     else if (T == 3) { if (q4) HELD8(1, 3); else HELD8(0, 3); }
@@ -769,40 +815,16 @@ static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, c
     else { if (q4) HELD8(1, 1); else HELD8(0, 1); }
 #undef HELD8
 }
-#else
-#define BI_ACT8 0
 #endif
 
 int bi_act8(void) { return BI_ACT8; }
 
 /* bi_linear_forward with the inputs rounded to 8 bits where that path exists (AVX-512 VNNI,
  * quantized weights, at least BLOCK_ROWS rows per thread); elsewhere bi_linear_forward. */
-int bi_linear_forward8(const bi_linear *l, int rows, const float *x, float *y, int threads) {
-#if BI_ACT8
-    if (l->kind != BI_F32 && rows >= BLOCK_ROWS * threads) {
-        const int groups = num_groups(l), k = l->k, q4 = l->kind == BI_Q4;
-        void *scratch = malloc((size_t)rows * (k + 2 * groups * sizeof(float)) + 64);
-        if (!scratch) return -1;
-        float *xs = (float *)scratch, *xsum = xs + (int64_t)rows * groups;
-        int8_t *xq = (int8_t *)(xsum + (int64_t)rows * groups);
-        const int blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS, tiles = l->n / TILE_Q;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int b = 0; b < blocks; b++) {
-            const int r0 = b * BLOCK_ROWS;
-            const int rr = rows - r0 < BLOCK_ROWS ? rows - r0 : BLOCK_ROWS;
-            for (int r = r0; r < r0 + rr; r++)
-                quantize_groups8(x + (int64_t)r * k, groups, xq + (int64_t)r * k,
-                                 xs + (int64_t)r * groups, xsum + (int64_t)r * groups, !q4);
-            for (int t = 0; t < tiles; t += HELD_TILES)
-                held_tiles8(l, t, tiles - t < HELD_TILES ? tiles - t : HELD_TILES,
-                            xq + (int64_t)r0 * k, xs + (int64_t)r0 * groups,
-                            xsum + (int64_t)r0 * groups, rr, y + (int64_t)r0 * l->n, l->n);
-        }
-        free(scratch);
-        return 0;
-    }
-#endif
-    return bi_linear_forward(l, rows, x, y, threads);
+int bi_linear_forward8(const bi_linear *l, int rows, const float *x, float *y, int accumulate,
+                       int threads) {
+    return linear_forward(l, rows, x, y, accumulate, threads,
+                          BI_ACT8 && l->kind != BI_F32 && rows >= MIN_HELD_ROWS);
 }
 
 /* ---- the decode step ------------------------------------------------------------------ */
@@ -990,19 +1012,58 @@ static inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
-/* g[i] = silu(g[i]) * u[i] for i in [first, last). */
-static void silu_mul(float *g, const float *u, int first, int last) {
+/* out[i] = silu(g[i]) * u[i] for i in [first, last) (`out` may be `g`). */
+static void silu_mul(float *out, const float *g, const float *u, int first, int last) {
     int i = first;
 #if BI_AVX512
     const __m512 one = _mm512_set1_ps(1.f);
     for (; i + 16 <= last; i += 16) {
         const __m512 v = _mm512_loadu_ps(g + i);
         const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
-        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)),
-                                              _mm512_loadu_ps(u + i)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)),
+                                                _mm512_loadu_ps(u + i)));
     }
 #endif
-    for (; i < last; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (; i < last; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* ---- A layer's element-wise steps over many rows (the torch model's steps) ------------
+ *
+ * The torch model runs its products through the kernels above; these take the steps between
+ * them that torch would run as several passes over the rows each (an RMSNorm is six ops, a
+ * rotation seven), in one pass, a row per task. Few rows run on the calling thread alone. */
+#define ELEMENTWISE_PARALLEL_ROWS 8
+
+/* out[r] = x[r] / rms(x[r]) * w, `rows` rows of `hidden` (x's `ldx` floats apart). */
+void bi_rms_norm_rows(const float *x, int64_t ldx, const float *w, int rows, int hidden,
+                      float eps, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows >= ELEMENTWISE_PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++)
+        rms_norm(x + r * ldx, w, hidden, eps, out + (int64_t)r * hidden);
+}
+
+/* out[r] = silu(gate) * up of row r of `gate_up` ([rows][2 * inter]: gate, then up). */
+void bi_silu_mul_rows(const float *gate_up, int rows, int inter, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows >= ELEMENTWISE_PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * inter;
+        silu_mul(out + (int64_t)r * inter, g, g + inter, 0, inter);
+    }
+}
+
+/* Rotates, in place, the first `heads` heads of `head_dim` of each row of x (rows `ldx` floats
+ * apart) by its position's angles (`cos`, `sin`: `[positions][head_dim / 2]`). */
+void bi_rope_rows(float *x, int64_t ldx, int rows, int heads, int head_dim,
+                  const int64_t *positions, const float *cos, const float *sin, int threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows >= ELEMENTWISE_PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++)
+            rope(x + r * ldx + h * head_dim, cos + positions[r] * half,
+                 sin + positions[r] * half, half);
 }
 
 /* p[i] = exp(s[i] - m) for i < n; returns their sum. */
@@ -1308,12 +1369,19 @@ int64_t bi_work_floats(const bi_model *m, int rows, int threads) {
     return scratch_layout(m, rows, threads, NULL).total;
 }
 
-/* Every row of x normalized into `out`, prepared as linear `l` reads it. */
+/* Whether linear `l` of a decode step of `rows` rows takes 8-bit inputs (`bi_model.act8`). */
+static int eight_bit(const bi_model *m, const bi_linear *l, int rows) {
+    return BI_ACT8 && m->act8 && l->kind != BI_F32 && rows >= MIN_HELD_ROWS;
+}
+
+/* Every row of x normalized into `out`, prepared as linear `l` reads it (`eight`: rounded to
+ * 8 bits, in the 16-bit form's room). */
 static bi_input norm_rows(const bi_model *m, const float *x, const float *w, int rows,
-                          const bi_linear *l, float *out, void *scratch) {
+                          const bi_linear *l, float *out, void *scratch, int eight) {
     for (int r = 0; r < rows; r++)
         rms_norm(x + r * m->hidden, w, m->hidden, m->eps, out + r * m->hidden);
     bi_input in = input_at(out, m->hidden, m->hidden, rows, scratch);
+    if (eight) in.q8 = (int8_t *)in.q;
     prepare_rows(l, &in, rows);
     return in;
 }
@@ -1339,7 +1407,7 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
     const int64_t layer_bytes = m->num_blocks * 2 * kv * (int64_t)bs * d * kv_element_bytes(m->kv_type);
     const bi_scratch s = scratch_layout(m, rows, threads, work);
     float *x = s.x, *qkv = s.qkv, *att = s.att, *gu = s.gu;
-    const bi_input att_in = input_at(att, att_n, att_n, rows, s.att_in);
+    const bi_input att_in16 = input_at(att, att_n, att_n, rows, s.att_in);
 
     for (int r = 0; r < rows; r++)
         memcpy(x + r * hidden, m->embed + tokens[r] * (int64_t)hidden, sizeof(float) * hidden);
@@ -1359,7 +1427,10 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
             const float k_scale = m->kv_scales ? m->kv_scales[2 * li] : 1.f;
             const float v_scale = m->kv_scales ? m->kv_scales[2 * li + 1] : 1.f;
             int32_t *done = s.done + (int64_t)li * rows * kv;
-            bi_input in = norm_rows(m, x, L->input_norm, rows, &L->qkv, h, in_scratch);
+            bi_input att_in = att_in16;
+            if (eight_bit(m, &L->o, rows)) att_in.q8 = (int8_t *)att_in.q;
+            bi_input in = norm_rows(m, x, L->input_norm, rows, &L->qkv, h, in_scratch,
+                                    eight_bit(m, &L->qkv, rows));
             linear_share(&L->qkv, &in, rows, qkv, qkv_n, 0);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
@@ -1401,6 +1472,15 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                 if (__atomic_add_fetch(done + r * kv + i, 1, __ATOMIC_ACQ_REL) == num_parts) {
                     const int at = i * per_kv * d;
                     merge_parts(first, num_parts, part_stride, per_kv, d, att + r * att_n + at);
+#if BI_ACT8
+                    if (att_in.q8)
+                        quantize_groups8(att + r * att_n + at, per_kv * d / GROUP,
+                                         att_in.q8 + (int64_t)r * att_n + at,
+                                         att_in.scale + (int64_t)r * (att_n / GROUP) + at / GROUP,
+                                         att_in.sum + (int64_t)r * (att_n / GROUP) + at / GROUP,
+                                         L->o.kind == BI_Q8);
+                    else
+#endif
                     if (L->o.kind != BI_F32)
                         quantize_groups(att + r * att_n + at, per_kv * d / GROUP,
                                         att_in.q + (int64_t)r * att_n + at,
@@ -1410,19 +1490,21 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
             }
             linear_share(&L->o, &att_in, rows, x, hidden, 1);  /* x += o(att) */
 #pragma omp barrier
-            in = norm_rows(m, x, L->post_norm, rows, &L->gate_up, h, in_scratch);
+            in = norm_rows(m, x, L->post_norm, rows, &L->gate_up, h, in_scratch,
+                           eight_bit(m, &L->gate_up, rows));
             linear_share(&L->gate_up, &in, rows, gu, 2 * inter, 0);
 #pragma omp barrier
             for (int r = 0; r < rows; r++) {  /* silu(gate) * up, all of it, in each thread */
-                memcpy(act + r * inter, gu + r * 2 * inter, sizeof(float) * inter);
-                silu_mul(act + r * inter, gu + r * 2 * inter + inter, 0, inter);
+                silu_mul(act + r * inter, gu + r * 2 * inter, gu + r * 2 * inter + inter, 0,
+                         inter);
             }
             in = input_at(act, inter, inter, rows, in_scratch);
+            if (eight_bit(m, &L->down, rows)) in.q8 = (int8_t *)in.q;
             prepare_rows(&L->down, &in, rows);
             linear_share(&L->down, &in, rows, x, hidden, 1);  /* x += down(act) */
 #pragma omp barrier
         }
-        bi_input in = norm_rows(m, x, m->final_norm, rows, &m->lm_head, h, in_scratch);
+        bi_input in = norm_rows(m, x, m->final_norm, rows, &m->lm_head, h, in_scratch, 0);
         linear_share(&m->lm_head, &in, rows, logits, m->vocab, 0);
     }
 }

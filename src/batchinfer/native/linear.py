@@ -21,9 +21,9 @@ class NativeLinear:
     """`y = x @ W.T + b` by `bi_linear_forward`, for float32 CPU inputs `[..., k]`.
 
     Holds the tensors its `struct` points into; `struct` is what the fused decode step reads.
-    `int8_inputs`: products of many rows (32 a thread and more: prefill chunks, and decode
-    steps of that many sequences that the torch model runs) round the inputs to 8 bits per
-    group of 32 rather than 16, where the CPU has AVX-512 VNNI (`bi_linear_forward8`); set by
+    `int8_inputs`: products of 8 rows and more (prefill chunks, decode steps of 8+ sequences;
+    native decode steps follow the same setting) round the inputs to 8 bits per group of 32
+    rather than 16, where the CPU has AVX-512 VNNI (`bi_linear_forward8`); set by
     `set_int8_inputs`.
     """
 
@@ -45,17 +45,34 @@ class NativeLinear:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x)
+        out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
+        self._run(rows, out, accumulate=False)
+        return out.view(*x.shape[:-1], self.n).to(x.dtype)
+
+    def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """`y += x @ W.T + b` in the kernel's own epilogue (no product tensor, no second pass
+        over `y`): `y` a contiguous float32 `[rows, n]` on the CPU."""
+        rows = self._rows(x)
+        if (y.dtype != torch.float32 or y.device.type != "cpu" or not y.is_contiguous()
+                or y.shape != (rows.shape[0], self.n)):
+            raise ValueError(f"add_into takes a contiguous float32 [{rows.shape[0]}, {self.n}] "
+                             "CPU tensor")
+        self._run(rows, y, accumulate=True)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.k)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
+        return rows
+
+    def _run(self, rows: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         forward = self.lib.bi_linear_forward8 if self.int8_inputs else \
             self.lib.bi_linear_forward
         if rows.shape[0] and forward(
                 ctypes.byref(self.struct), rows.shape[0], rows.data_ptr(), out.data_ptr(),
-                torch.get_num_threads()):
+                int(accumulate), torch.get_num_threads()):
             raise MemoryError("the native linear could not allocate its scratch")
-        return out.view(*x.shape[:-1], self.n).to(x.dtype)
 
 
 def check_shape(n: int, k: int, kind: str) -> None:

@@ -131,9 +131,8 @@ class NativeDecoder:
             "source": native.source_digest(),
             "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
                                for m in linears}),
-            # 8-bit inputs (`--prefill-activations int8`) speed up the torch side's products
-            "int8_inputs": any(getattr(fn, "int8_inputs", False) for m in linears
-                               for fn in m._fns),
+            # 8-bit inputs (`--prefill-activations int8`) speed up both sides' products
+            "int8_inputs": self.int8_inputs(),
             "probe": [PROBE_ROWS, PROBE_CONTEXT, PROBE_STEPS], "fits": list(fits),
         }
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
@@ -173,8 +172,16 @@ class NativeDecoder:
             spec.rms_norm_eps, native.KV_TYPES[self.backend.kv_dtype],
             model.embed_tokens.weight.data_ptr(), model.norm.weight.data_ptr(),
             model.rope_cos.data_ptr(), model.rope_sin.data_ptr(), layers,
-            _linear(model.lm_head), 0, 0, 0)
+            _linear(model.lm_head), 0, 0, 0, int(self.int8_inputs()))
         return struct, layers, forms
+
+    def int8_inputs(self) -> bool:
+        """Whether the layers' products take 8-bit inputs (`--prefill-activations int8`, set
+        on their kernels by `set_int8_inputs`): then so do those of decode steps of 8
+        sequences and more (where the library has the 8-bit path)."""
+        return any(getattr(fn, "int8_inputs", False)
+                   for m in self.model.modules() if isinstance(m, KernelLinear)
+                   for fn in m._fns)
 
     def accepts(self, inputs: StepInputs) -> bool:
         metadata = inputs.attention
