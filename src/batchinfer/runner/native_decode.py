@@ -17,8 +17,8 @@ kernel's, or one kept for decode steps that reads the same weights (`q4_native` 
 weight beside `packed`). Other
 steps (prefill chunks, a bucket where torch won) run the torch model. It needs the CPU, float32 weights and
 a cache in the block-rows layout (`cpu_sparse`, `gather`) of float32, float16, bfloat16 or FP8
-(`--kv-cache-dtype`): a narrower cache is read a block at a time, widened to float32 in L1,
-and written with the bytes the torch path writes (FP8 with the layer's scales), so a step
+(`--kv-cache-dtype`): a narrower cache is widened to float32 as it is read (in registers,
+or for e4m3 a block at a time into L1), and written with the bytes the torch path writes (FP8 with the layer's scales), so a step
 reads half or a quarter of float32's cache bytes; `NativeDecoder.build` says why not otherwise. The two paths compute the same function (the same weights; the native
 kernels round activations to 16 bits per group of 32): tests/test_native.py checks their
 logits against each other.
