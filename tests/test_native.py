@@ -205,9 +205,10 @@ def test_packed_attention_equals_per_sentence_sdpa(lib):
 
 
 def _check_elementwise(lib):
-    """RMSNorm, SiLU(gate) x up and the rotation in one native pass each give torch's results
-    (few rows on the calling thread, many across threads; head sizes the vector loops take
-    whole and with a remainder); a product adds into the residual in its epilogue."""
+    """The decoder's RMSNorm, SiLU(gate) x up and rotation, the encoder's residual add +
+    LayerNorm and GELU, in one native pass each, give torch's results (few rows on the calling
+    thread, many across threads; sizes the vector loops take whole and with a remainder); a
+    product adds into the residual in its epilogue."""
     g = torch.Generator().manual_seed(5)
     for rows in (1, 3, 40):
         x = torch.randn(rows, 2 * 96, generator=g) * 3
@@ -229,6 +230,17 @@ def _check_elementwise(lib):
             elementwise.rotate_(lib, qkv, 3, positions, cos, sin)
             assert relative_error(qkv[:, :3], want) < 1e-6
             assert torch.equal(qkv[:, 3:], untouched)
+    for rows in (1, 3, 40):  # an encoder layer's residual add + LayerNorm, and its GELU
+        a, b = torch.randn(rows, 2 * 96, generator=g)[:, 96:], torch.randn(rows, 96, generator=g)
+        gamma, beta = torch.randn(96, generator=g), torch.randn(96, generator=g)
+        want = F.layer_norm(a + b, (96,), gamma, beta, 1e-12)
+        assert relative_error(elementwise.add_layer_norm(lib, a, b, gamma, beta, 1e-12),
+                              want) < 1e-5
+        out = torch.zeros(rows, 2 * 96)[:, :96]
+        elementwise.add_layer_norm(lib, a, b, gamma, beta, 1e-12, out=out)
+        assert relative_error(out, want) < 1e-5
+        x = torch.randn(rows, 1000, generator=g) * 4  # a remainder past 16-wide chunks
+        assert relative_error(elementwise.gelu_(lib, x.clone()), F.gelu(x)) < 1e-6
     w, b = weights(48, 64)
     forms = WeightForms(w, b)
     for rows in (5, 70):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer import native
+from batchinfer.native import elementwise
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -63,6 +64,7 @@ class PackedEncoder(nn.Module):
         self.head_dim = int(config.hidden_size) // self.num_heads
         self.eps = float(config.layer_norm_eps)
         self.act = _ACTIVATIONS[config.hidden_act]
+        self.exact_gelu = config.hidden_act == "gelu"  # the erf form, which has a native pass
         start = _POSITION_START[config.model_type]
         self.position_start = int(config.pad_token_id) + 1 if start is None else start
         self.chunk_tokens = chunk_tokens
@@ -114,12 +116,33 @@ class PackedEncoder(nn.Module):
             # the [chunk, intermediate] activations stay small and are reused from the heap.
             for start in range(0, x.shape[0], self.chunk_tokens):
                 rows = slice(start, start + self.chunk_tokens)
-                h = self._norm(x[rows] + attn.output.dense(attended[rows]),
-                               attn.output.LayerNorm)
-                ffn = layer.output.dense(self.act(layer.intermediate.dense(h)))
-                x_next[rows] = self._norm(h + ffn, layer.output.LayerNorm)
+                self._feed_forward(layer, x[rows], attended[rows], x_next[rows])
             x, x_next = x_next, x
         return x
+
+    def _feed_forward(self, layer: Any, x: torch.Tensor, attended: torch.Tensor,
+                      out: torch.Tensor) -> None:
+        """`out = LN(h + FFN(h))` with `h = LN(x + dense(attended))`: a layer after its
+        attention, for a chunk of token rows. On float32 CPU rows each residual add and norm
+        is one native pass, and an erf GELU runs in place natively (`native/elementwise.py`)."""
+        attn = layer.attention
+        projected = attn.output.dense(attended)
+        lib = elementwise.library_for(x, projected)
+        if lib is None:
+            h = self._norm(x + projected, attn.output.LayerNorm)
+            out.copy_(self._norm(h + layer.output.dense(self.act(layer.intermediate.dense(h))),
+                                 layer.output.LayerNorm))
+            return
+        norm = attn.output.LayerNorm
+        h = elementwise.add_layer_norm(lib, x, projected, norm.weight, norm.bias, self.eps)
+        inner = layer.intermediate.dense(h)
+        if self.exact_gelu and inner.is_contiguous():
+            inner = elementwise.gelu_(lib, inner)
+        else:
+            inner = self.act(inner)
+        norm = layer.output.LayerNorm
+        elementwise.add_layer_norm(lib, h, layer.output.dense(inner), norm.weight, norm.bias,
+                                   self.eps, out=out)
 
 
 def _equal_length_runs(lengths: Sequence[int]) -> list[tuple[int, int]]:

@@ -178,6 +178,13 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_int]
     lib.bi_rope_rows.restype = None
+    lib.bi_add_layer_norm_rows.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int]
+    lib.bi_add_layer_norm_rows.restype = None
+    lib.bi_gelu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.bi_gelu.restype = None
     logger.info("native CPU kernels loaded from %s (%s)", target,
                 "AVX-512" if lib.bi_avx512() else "portable C")
     return lib

@@ -1053,6 +1053,72 @@ void bi_silu_mul_rows(const float *gate_up, int rows, int inter, float *out, int
     }
 }
 
+/* out[r] = LayerNorm(a[r] + b[r]) * gamma + beta over `hidden` values (mean, then the mean
+ * square of the deviations: torch's two moments), rows `lda`, `ldb`, `ldo` floats apart; `out`
+ * may be `a` or `b`. An encoder layer's residual add and norm in one pass. */
+void bi_add_layer_norm_rows(const float *a, int64_t lda, const float *b, int64_t ldb,
+                            const float *gamma, const float *beta, int rows, int hidden,
+                            float eps, float *out, int64_t ldo, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows >= ELEMENTWISE_PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const float *ar = a + r * lda, *br = b + r * ldb;
+        float *o = out + r * ldo, sum = 0.f, squares = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < hidden; i++) {
+            o[i] = ar[i] + br[i];
+            sum += o[i];
+        }
+        const float mean = sum / hidden;
+#pragma omp simd reduction(+ : squares)
+        for (int i = 0; i < hidden; i++) squares += (o[i] - mean) * (o[i] - mean);
+        const float inv = 1.f / sqrtf(squares / hidden + eps);
+#pragma omp simd
+        for (int i = 0; i < hidden; i++) o[i] = (o[i] - mean) * inv * gamma[i] + beta[i];
+    }
+}
+
+#if BI_AVX512
+/* erf(x) to within 1.5e-7 (Abramowitz and Stegun 7.1.26): 1 - poly(t) exp(-x^2),
+ * t = 1 / (1 + 0.3275911 |x|), the sign of x. */
+static inline __m512 erf_ps(__m512 x) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m512 ax = _mm512_andnot_ps(sign, x);
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f),
+                                   _mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f),
+                                                   _mm512_set1_ps(1.f)));
+    __m512 p = _mm512_set1_ps(1.061405429f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+    p = _mm512_mul_ps(p, t);
+    const __m512 e = exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), ax), ax));
+    const __m512 y = _mm512_fnmadd_ps(p, e, _mm512_set1_ps(1.f));
+    return _mm512_or_ps(y, _mm512_and_ps(x, sign));
+}
+#endif
+
+/* x[i] = x[i] * (1 + erf(x[i] / sqrt(2))) / 2 for i < n, in place (GELU, erf form). */
+void bi_gelu(float *x, int64_t n, int threads) {
+    const int64_t chunk = 4096, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (chunks >= 4)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t i = c * chunk;
+        const int64_t end = i + chunk < n ? i + chunk : n;
+#if BI_AVX512
+        const __m512 half = _mm512_set1_ps(0.5f), root = _mm512_set1_ps(0.70710678118654752f);
+        for (; i + 16 <= end; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            const __m512 e = erf_ps(_mm512_mul_ps(v, root));
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_mul_ps(v, half),
+                                                  _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+        }
+#endif
+        for (; i < end; i++) x[i] = 0.5f * x[i] * (1.f + erff(x[i] * 0.70710678118654752f));
+    }
+}
+
 /* Rotates, in place, the first `heads` heads of `head_dim` of each row of x (rows `ldx` floats
  * apart) by its position's angles (`cos`, `sin`: `[positions][head_dim / 2]`). */
 void bi_rope_rows(float *x, int64_t ldx, int rows, int heads, int head_dim,

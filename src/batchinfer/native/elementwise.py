@@ -1,11 +1,11 @@
-"""A decoder layer's element-wise steps in one native pass each (`cpu_kernels.c`).
+"""A layer's element-wise steps in one native pass each (`cpu_kernels.c`).
 
 Torch runs an RMSNorm as six passes over the rows (square, mean, add, rsqrt, two products),
 a rotation as seven, SiLU(gate) x up as two plus the copy the next product needs of the strided
-gate half; on a CPU each pass streams the whole `[rows, width]` activation through memory. These
-do each in one pass, a row per task across the threads, on float32 CPU rows. `library_for`
-says whether they apply; the model keeps torch's ops elsewhere (other dtypes, GPUs, no C
-compiler).
+gate half (an encoder's residual add and LayerNorm two, its GELU one slow one); on a CPU each
+pass streams the whole `[rows, width]` activation through memory. These do each in one pass,
+a row per task across the threads, on float32 CPU rows. `library_for` says whether they apply;
+the models keep torch's ops elsewhere (other dtypes, GPUs, no C compiler).
 """
 
 from __future__ import annotations
@@ -72,3 +72,33 @@ def rotate_(lib: ctypes.CDLL, x: torch.Tensor, heads: int, positions: torch.Tens
                          "and contiguous [positions, head_dim / 2] tables")
     lib.bi_rope_rows(x.data_ptr(), x.stride(0), rows, heads, head_dim, positions.data_ptr(),
                      cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+
+
+def add_layer_norm(lib: ctypes.CDLL, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """`layer_norm(a + b) * weight + bias` over the last dimension of `[rows, hidden]` `a` and
+    `b` (an encoder layer's residual add and norm in one pass), into `out` (a new tensor by
+    default; any `[rows, hidden]` rows of unit stride, `a` or `b` included)."""
+    rows, hidden = a.shape
+    if out is None:
+        out = torch.empty((rows, hidden), dtype=torch.float32)
+    if (b.shape != a.shape or out.shape != a.shape
+            or any(t.stride(1) != 1 for t in (a, b, out))
+            or weight.shape != (hidden,) or bias.shape != (hidden,)
+            or not (weight.is_contiguous() and bias.is_contiguous())):
+        raise ValueError("add_layer_norm takes [rows, hidden] rows of unit stride and "
+                         "contiguous [hidden] weight and bias")
+    lib.bi_add_layer_norm_rows(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
+                               weight.data_ptr(), bias.data_ptr(), rows, hidden, eps,
+                               out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
+
+
+def gelu_(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """GELU in its erf form (`F.gelu`'s default), in place on a contiguous tensor, to within
+    ~1e-7 of torch's (erf by a rational approximation); returns `x`."""
+    if not x.is_contiguous():
+        raise ValueError("gelu_ takes a contiguous tensor")
+    lib.bi_gelu(x.data_ptr(), x.numel(), torch.get_num_threads())
+    return x
