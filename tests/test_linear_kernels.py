@@ -286,8 +286,8 @@ def test_a_bucket_where_only_refusing_kernels_were_timed_chooses_a_fallback(monk
     outputs), the choice is the fallback that takes it, never the refusing kernel."""
     measure = lk.measure
 
-    def q4_dense_pruned_everywhere(sites, names, dtype):
-        timings = measure(sites, names, dtype)
+    def q4_dense_pruned_everywhere(sites, names, dtype, probe_rows):
+        timings = measure(sites, names, dtype, probe_rows)
         for bucket in timings["q4_dense"]:
             bucket.clear()
         return timings

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.models.linear_kernels import KernelLinear
+from batchinfer.models.linear_kernels import KernelLinear, WeightForms
 from batchinfer.models.prepack import PackedLinear, prepack_linears, prepack_supported
 from tests.tiny_models import make_tiny_llama
 
@@ -37,6 +37,21 @@ def test_packed_linear_matches_dense_for_every_row_count_and_layout(bias):
         batched = torch.randn(2, 5, 96)
         torch.testing.assert_close(packed(batched), dense(batched), rtol=1e-5, atol=1e-5)
     assert "packed_weight" not in packed.state_dict()
+
+
+def test_a_packed_kernel_applies_gelu_inside_the_product_others_leave_it_to_the_caller():
+    """The encoder's intermediate product: with oneDNN's packed kernel, GELU (erf form) runs
+    as the product's post-op and gives `F.gelu` of the product; a dense kernel has no fused
+    form (None), so the caller applies its own."""
+    torch.manual_seed(0)
+    dense = nn.Linear(96, 160)
+    x = torch.randn(40, 96) * 3
+    want = torch.nn.functional.gelu(dense(x))
+    with torch.inference_mode():
+        packed = KernelLinear(WeightForms(dense.weight, dense.bias), ("packed",) * 4)
+        torch.testing.assert_close(packed.forward_gelu(x), want, rtol=1e-5, atol=1e-5)
+        plain = KernelLinear(WeightForms(dense.weight, dense.bias), ("dense",) * 4)
+        assert plain.forward_gelu(x) is None
 
 
 def test_prepack_linears_replaces_every_linear_and_nothing_else():

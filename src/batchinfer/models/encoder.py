@@ -40,6 +40,11 @@ ENCODER_DTYPES = ("auto", "float32", "bfloat16")
 # A quantized encoder is kept only if every probe sentence's vector stays this close (cosine)
 # to the float one: retrieval rankings do not move below ~1e-3 of cosine.
 MIN_QUANTIZED_COSINE = 0.999
+# Row counts the linear kernels are timed at, per bucket: an encoder's products of many rows
+# are a batch's tokens (thousands; the packed forward's feed-forward takes 1,024 at a time),
+# where the choice can differ from a decoder's 256-row probe (oneDNN's prepacked weights over
+# MKL's sgemm, which repacks the weight every call: 5 % of an encode on a 2-core Xeon).
+ENCODER_PROBE_ROWS = (1, 8, 32, 1024)
 # Probe sentences for that check: short and long, plain and technical, several languages.
 QUANTIZATION_PROBES = (
     "A man is playing a guitar on a street corner.",
@@ -219,7 +224,8 @@ class Encoder:
             kernels = linear_kernels if quantization == "none" else "auto"
             self.linear_kernels = apply_kernels(self.model, "none", kernels, self.device,
                                                 self.dtype, default_cache_dir(),
-                                                allow_packed=prepack_weights)
+                                                allow_packed=prepack_weights,
+                                                probe_rows=ENCODER_PROBE_ROWS)
         # BERT-family models run unpadded (see packed_encoder); others padded and masked.
         self.packed = PackedEncoder(self.model) if packed and packed_supported(self.model) \
             else None
@@ -248,7 +254,8 @@ class Encoder:
             return
         candidate = copy.deepcopy(self.model)
         plan = apply_kernels(candidate, quantization, kernels, self.device, self.dtype,
-                             default_cache_dir(), allow_packed=prepack_weights)
+                             default_cache_dir(), allow_packed=prepack_weights,
+                             probe_rows=ENCODER_PROBE_ROWS)
         walk = self._vocabulary_walk()
         ids = self.tokenize([*QUANTIZATION_PROBES, *([walk] if walk else [])], truncate=True)
         reference = self._encode_padded(self.model, ids)

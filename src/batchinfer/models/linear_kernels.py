@@ -358,6 +358,13 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fns[bucket_of(x.numel() // x.shape[-1])](x)
 
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`gelu(self(x))` (erf form) fused into the product where the bucket's kernel is
+        oneDNN's prepacked one (`PackedLinear.forward_gelu`); None elsewhere, for the caller's
+        own GELU."""
+        owner = getattr(self._fns[bucket_of(x.numel() // x.shape[-1])], "__self__", None)
+        return owner.forward_gelu(x) if isinstance(owner, PackedLinear) else None
+
     def add_into(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """`y += self(x)` in place: inside a native kernel's epilogue where the bucket's kernel
         is one and `y` is a contiguous float32 CPU tensor, else by an addition."""
@@ -455,11 +462,12 @@ def native_available(device: torch.device, dtype: torch.dtype) -> bool:
 Timings = dict[str, list[dict[tuple[int, int], float]]]  # kernel -> per bucket -> shape -> s
 
 
-def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dtype
-            ) -> Timings:
+def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dtype,
+            probe_rows: Sequence[int] = PROBE_ROWS) -> Timings:
     """Seconds per pass that each kernel spends on each weight shape, per row bucket: passes
     over every site (one linear each, in model order, so weights leave the cache as in a real
-    step), a warm-up pass then `PROBE_PASSES` timed ones (median). A kernel pruned
+    step), a warm-up pass then `PROBE_PASSES` timed ones (median), at each bucket's
+    `probe_rows`. A kernel pruned
     (`PRUNE_FACTOR`, `ROW_BOUND`) is infinitely slow there. A shape the kernel refuses runs
     its fallback in the pass and cannot choose it. Each kernel's converted weights are dropped before the next kernel's are made, so the
     model is at most twice in memory."""
@@ -468,11 +476,11 @@ def measure(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dty
     device = sites[0].weight.device
     inputs = {
         (rows, k): torch.randn(rows, k, generator=generator).to(device=device, dtype=dtype)
-        for rows in PROBE_ROWS for k in {forms.weight.shape[1] for forms in sites}
+        for rows in probe_rows for k in {forms.weight.shape[1] for forms in sites}
     }
     pruned: set[str] = set()
     with torch.inference_mode():
-        for rows in PROBE_ROWS:
+        for rows in probe_rows:
             warm: dict[str, float] = {}
             per_shape: dict[str, dict[tuple[int, int], float]] = {}
             for name in names:
@@ -527,17 +535,17 @@ def fastest(timings: Timings, names: Sequence[str], shapes: Sequence[tuple[int, 
         return timings[name][bucket].get(shape, math.inf)
 
     return {shape: tuple(min(names, key=lambda n: seconds(n, b, shape))
-                         for b in range(len(PROBE_ROWS)))
+                         for b in range(len(BUCKET_NAMES)))
             for shape in shapes}
 
 
 def cache_key(shapes: Sequence[tuple[int, int]], names: Sequence[str], dtype: torch.dtype,
-              device: torch.device) -> str:
+              device: torch.device, probe_rows: Sequence[int] = PROBE_ROWS) -> str:
     """What a choice depends on: CPU model, torch version, threads, dtype, kernels, shapes."""
     facts = {
         "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "dtype": str(dtype), "device": str(device),
-        "kernels": list(names), "shapes": list(shapes), "probe_rows": PROBE_ROWS,
+        "kernels": list(names), "shapes": list(shapes), "probe_rows": list(probe_rows),
         "method": "passes-v2",  # bump when measurement or kernels change
     }
     if any(name in NATIVE_KERNELS for name in names):  # the native kernels' own code
@@ -551,33 +559,36 @@ def choose_kernels(
     dtype: torch.dtype,
     device: torch.device,
     cache_dir: Path | None,
+    probe_rows: Sequence[int] = PROBE_ROWS,
 ) -> KernelPlan:
     """The fastest of `names` per row bucket for each weight shape of the `sites` (every
-    linear of a model, in order), from the cache when this machine measured the same thing
-    before. One candidate: forced (where it cannot take a shape, its fallback)."""
+    linear of a model, in order), measured at `probe_rows` (one row count per bucket), from
+    the cache when this machine measured the same thing before. One candidate: forced (where
+    it cannot take a shape, its fallback)."""
     shapes = list(dict.fromkeys((f.weight.shape[0], f.weight.shape[1]) for f in sites))
     if len(names) == 1:
         forced = {}
         for forms in sites:
             shape = (forms.weight.shape[0], forms.weight.shape[1])
             if shape not in forced:
-                forced[shape] = (runnable(forms, names[0]),) * len(PROBE_ROWS)
+                forced[shape] = (runnable(forms, names[0]),) * len(BUCKET_NAMES)
                 forms.release()
         return KernelPlan(forced, "forced")
     all_shapes = [(f.weight.shape[0], f.weight.shape[1]) for f in sites]
     path = None
     if cache_dir is not None:
-        key = cache_key(all_shapes, names, dtype, device)
+        key = cache_key(all_shapes, names, dtype, device, probe_rows)
         path = cache_dir / "linear-kernels" / f"{key}.json"
         try:
             stored = json.loads(path.read_text())
             choice = {_shape(key): tuple(value) for key, value in stored["choice"].items()}
             if set(choice) == set(shapes) and all(
-                    len(v) == len(PROBE_ROWS) and set(v) <= set(names) for v in choice.values()):
+                    len(v) == len(BUCKET_NAMES) and set(v) <= set(names)
+                    for v in choice.values()):
                 return KernelPlan(choice, "cached")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # not measured yet here, or unreadable: measure
-    timings = measure(sites, names, dtype)
+    timings = measure(sites, names, dtype, probe_rows)
     # A bucket where every kernel that takes a shape was pruned leaves only refusals (all
     # infinitely slow): such a choice becomes the first fallback that takes the shape.
     first_site = {(f.weight.shape[0], f.weight.shape[1]): f for f in reversed(sites)}
@@ -641,7 +652,8 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
                   dtype: torch.dtype, cache_dir: Path | None, allow_packed: bool = True,
                   extra: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
                   heads: Collection[str] = (),
-                  native_decode: bool = False) -> KernelPlan:
+                  native_decode: bool = False,
+                  probe_rows: Sequence[int] = PROBE_ROWS) -> KernelPlan:
     """Replace every `nn.Linear` under `module` (and the `extra` attribute name -> (weight,
     bias) pairs, such as a tied LM head) by a `KernelLinear` whose kernels are `kernels` (a
     name) or, with `auto`, the fastest measured here. With quantized weights the sites named
@@ -650,7 +662,9 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
     q4 weights also gets its `q4_native` form (int8: `int8_native`; q8: `q8_native`, its only
     fast kernel anyway), every float layer keeps its float32 weight, and
     an `extra` head (a tied one, whose float weight stays anyway) its float32 form, for native
-    decode steps (`KernelLinear.native`).
+    decode steps (`KernelLinear.native`). `probe_rows`: the row count each bucket is measured
+    at (a model whose products of many rows are larger than `PROBE_ROWS`' 256, such as an
+    encoder's batches, measures its 33+ bucket there).
     `ValueError` names the knob when the kernel cannot run this weight form or device."""
     names = kernel_names(quantization, kernels, device, dtype, allow_packed)
     extra = extra or {}
@@ -690,7 +704,7 @@ def apply_kernels(module: nn.Module, quantization: str, kernels: str, device: to
         if not group:
             continue
         sites = [WeightForms(*weight_of(name)) for name in group]
-        plan = choose_kernels(sites, group_names, dtype, device, cache_dir)
+        plan = choose_kernels(sites, group_names, dtype, device, cache_dir, probe_rows)
         del sites
         sources.append(plan.source)
         # One at a time, by name: a dense weight no kernel reads is freed as soon as its

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer import native
+from batchinfer.models.linear_kernels import KernelLinear
 from batchinfer.native import elementwise
 
 _ACTIVATIONS = {
@@ -124,7 +125,8 @@ class PackedEncoder(nn.Module):
                       out: torch.Tensor) -> None:
         """`out = LN(h + FFN(h))` with `h = LN(x + dense(attended))`: a layer after its
         attention, for a chunk of token rows. On float32 CPU rows each residual add and norm
-        is one native pass, and an erf GELU runs in place natively (`native/elementwise.py`)."""
+        is one native pass; an erf GELU runs inside a prepacked product as oneDNN's post-op,
+        or in place natively after any other kernel (`native/elementwise.py`)."""
         attn = layer.attention
         projected = attn.output.dense(attended)
         lib = elementwise.library_for(x, projected)
@@ -135,11 +137,17 @@ class PackedEncoder(nn.Module):
             return
         norm = attn.output.LayerNorm
         h = elementwise.add_layer_norm(lib, x, projected, norm.weight, norm.bias, self.eps)
-        inner = layer.intermediate.dense(h)
-        if self.exact_gelu and inner.is_contiguous():
-            inner = elementwise.gelu_(lib, inner)
+        dense = layer.intermediate.dense
+        fused = dense.forward_gelu(h) if self.exact_gelu and isinstance(dense, KernelLinear) \
+            else None
+        if fused is not None:  # the GELU ran as oneDNN's post-op inside the product
+            inner = fused
         else:
-            inner = self.act(inner)
+            inner = dense(h)
+            if self.exact_gelu and inner.is_contiguous():
+                inner = elementwise.gelu_(lib, inner)
+            else:
+                inner = self.act(inner)
         norm = layer.output.LayerNorm
         elementwise.add_layer_norm(lib, h, layer.output.dense(inner), norm.weight, norm.bias,
                                    self.eps, out=out)

@@ -60,6 +60,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """`gelu(self(x))` (erf form), the GELU applied by oneDNN as the product's post-op:
+        no second pass over the output (the same values as `F.gelu` after `forward`)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "gelu", [],
+                                                  "none")
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 

@@ -1084,9 +1084,11 @@ void bi_add_layer_norm_rows(const float *a, int64_t lda, const float *b, int64_t
 static inline __m512 erf_ps(__m512 x) {
     const __m512 sign = _mm512_set1_ps(-0.f);
     const __m512 ax = _mm512_andnot_ps(sign, x);
-    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f),
-                                   _mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f),
-                                                   _mm512_set1_ps(1.f)));
+    /* t = 1 / d: the 14-bit reciprocal estimate and one Newton step (~1e-8 relative), a
+     * third of a division's cost */
+    const __m512 d = _mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f));
+    const __m512 r = _mm512_rcp14_ps(d);
+    const __m512 t = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
     __m512 p = _mm512_set1_ps(1.061405429f);
     p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
     p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
