@@ -20,8 +20,9 @@ a cache in the block-rows layout (`cpu_sparse`, `gather`) of float32, float16, b
 (`--kv-cache-dtype`): a narrower cache is widened to float32 as it is read (in registers,
 or for e4m3 a block at a time into L1), and written with the bytes the torch path writes (FP8 with the layer's scales), so a step
 reads half or a quarter of float32's cache bytes; `NativeDecoder.build` says why not otherwise. The two paths compute the same function (the same weights; the native
-kernels round activations to 16 bits per group of 32): tests/test_native.py checks their
-logits against each other.
+kernels round activations to 16 bits per group of 32; with `--prefill-activations int8`, steps
+of 8+ sequences round them to 8 bits, as the torch model's products of 8+ rows do):
+tests/test_native.py checks their logits against each other.
 """
 
 from __future__ import annotations
