@@ -5,7 +5,7 @@ needs a mask. Here the batch is one flat row of tokens (the sentences end to end
 embedding servers with variable-length attention kernels do): embeddings, projections, layer
 norms and the feed-forward run on exactly the real tokens, and attention needs no mask: on a
 CPU in float32, one native call per layer (`native.packed_attention`: every sentence and head
-a task, keys of a sentence read once per four query rows; 1.2-1.6x the SDPA calls on the
+a task, keys of a sentence read once per four query rows; 1.3-2.8x the SDPA calls on the
 embedded model's batches, `benchmarks/native_many_rows.py`), elsewhere one fused-attention call per group of equally long
 sentences.
 The weights are the loaded `transformers` model's own tensors (shared, not copied), so the

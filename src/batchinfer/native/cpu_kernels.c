@@ -1724,15 +1724,19 @@ sentence_scores(const float *const *qr, const int R, const float *kt, int64_t ld
         for (int r = 0; r < R; r++)
             for (int i = 0; i < W; i++) _mm512_storeu_ps(scores + r * lds + j0 + 16 * i, acc[r][i]);
     }
-    for (; j0 < n; j0 += 16) {
-        __m512 acc[QROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (int c = 0; c < D; c++) {
+    for (; j0 < n; j0 += 16) {  /* the last keys, 16 at a time (all of a short sentence's) */
+        __m512 acc[QROWS], odd[QROWS];  /* even and odd c: twice the chains of multiply-adds */
+        for (int r = 0; r < R; r++) acc[r] = odd[r] = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 2) {
             const __m512 k0 = _mm512_loadu_ps(kt + c * ldk + j0);
-            for (int r = 0; r < R; r++)
+            const __m512 k1 = _mm512_loadu_ps(kt + (c + 1) * ldk + j0);
+            for (int r = 0; r < R; r++) {
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][c]), k0, acc[r]);
+                odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][c + 1]), k1, odd[r]);
+            }
         }
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(scores + r * lds + j0, acc[r]);
+        for (int r = 0; r < R; r++)
+            _mm512_storeu_ps(scores + r * lds + j0, _mm512_add_ps(acc[r], odd[r]));
     }
 }
 
@@ -1834,6 +1838,59 @@ static void sentence_rows(const float *q, int64_t ldq, const float *v, int64_t l
     sentence_values_any(scores, ldk, R, v, ldv, n, d, inv, outr);
 }
 
+#if BI_AVX512
+/* r[i] <- column i of the 16 x 16 block r (rows r[0..16)). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+#endif
+
+/* kt[c][j] = keys[j][c] * scale for j < n, zeros from n to n rounded up to 16 (keys: rows `ldk`
+ * apart, d values each; kt rows `ldt` apart). */
+static void transpose_keys(const float *keys, int64_t ldk, int n, int d, float scale, float *kt,
+                           int64_t ldt) {
+    const int padded = (n + 15) / 16 * 16;
+#if BI_AVX512
+    if (d % 16 == 0) {  /* 16 keys x 16 values at a time, transposed in registers */
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int j0 = 0; j0 < padded; j0 += 16)
+            for (int c0 = 0; c0 < d; c0 += 16) {
+                __m512 r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = j0 + i < n ? _mm512_mul_ps(_mm512_loadu_ps(keys + (j0 + i) * ldk + c0),
+                                                      sv)
+                                      : _mm512_setzero_ps();
+                transpose16(r);
+                for (int i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c0 + i) * ldt + j0, r[i]);
+            }
+        return;
+    }
+#endif
+    for (int c = 0; c < d; c++) memset(kt + c * ldt + n, 0, sizeof(float) * (padded - n));
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < d; c++) kt[c * ldt + j] = keys[j * ldk + c] * scale;
+}
+
 /* Attention of `num_seqs` packed sentences (token `starts[s]`, `lengths[s]` tokens each,
  * `longest` the largest): `heads` query heads of size `d` over `kv_heads` key/value heads
  * (query head h reads KV head h / (heads / kv_heads)), scores scaled by `scale`, each token
@@ -1858,12 +1915,7 @@ int bi_packed_attention(int num_seqs, const int64_t *starts, const int64_t *leng
             const int s = num_seqs - 1 - task / heads, h = task % heads;  /* longest first */
             const int n = (int)lengths[s];
             const int64_t t0 = starts[s], kv_col = (int64_t)(h / group) * d;
-            const int padded = (n + 15) / 16 * 16;
-            for (int c = 0; c < d; c++) memset(kt + c * ldt + n, 0, sizeof(float) * (padded - n));
-            for (int j = 0; j < n; j++) {
-                const float *kj = k + (t0 + j) * ldk + kv_col;
-                for (int c = 0; c < d; c++) kt[c * ldt + j] = kj[c] * scale;
-            }
+            transpose_keys(k + t0 * ldk + kv_col, ldk, n, d, scale, kt, ldt);
             const float *qs = q + t0 * ldq + (int64_t)h * d, *vs = v + t0 * ldv + kv_col;
             float *os = out + t0 * ldo + (int64_t)h * d;
             int r = 0;

@@ -94,7 +94,7 @@ def attend_chunks(
 
 def _native_first_chunks(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          chunks: list[Chunk], scale: float) -> bool:
-    """Every first chunk's causal attention in one native call (CPU, float32: 1.7-2.0x SDPA's
+    """Every first chunk's causal attention in one native call (CPU, float32: 1.9-2.2x SDPA's
     per-chunk calls on SmolLM2's heads here, `benchmarks/native_many_rows.py`); False where that cannot run, for the loop to do
     them."""
     firsts = [chunk for chunk in chunks if chunk.is_first]
