@@ -773,7 +773,7 @@ held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const 
     __m512i wb[HELD_TILES * 8], wsum[HELD_TILES];
     float acc[BLOCK_ROWS * HELD_TILES * TILE_Q] __attribute__((aligned(64)));
     memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
-    for (int t = T; t < HELD_TILES; t++) wsum[t] = _mm512_setzero_si512();
+    for (int t = 0; t < HELD_TILES; t++) wsum[t] = _mm512_setzero_si512();  /* q4: unused */
     for (int g = 0; g < groups; g++) {
         unpack_group8(l, Q4, tile, T, g, wb, wsum);
         __m512 s[HELD_TILES], off[HELD_TILES];

@@ -31,13 +31,19 @@ def library_for_dtype(dtype: torch.dtype, device: torch.device) -> ctypes.CDLL |
     return native.library()
 
 
+def _float32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
              ) -> torch.Tensor:
     """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension of `x` `[rows, hidden]`
     (rows of unit stride), as a new contiguous tensor."""
     rows, hidden = x.shape
-    if x.stride(1) != 1 or weight.shape != (hidden,) or not weight.is_contiguous():
-        raise ValueError("rms_norm takes rows of unit stride and a contiguous [hidden] weight")
+    if (not _float32_cpu(x, weight) or x.stride(1) != 1 or weight.shape != (hidden,)
+            or not weight.is_contiguous()):
+        raise ValueError("rms_norm takes float32 CPU rows of unit stride and a contiguous "
+                         "[hidden] weight")
     out = torch.empty((rows, hidden), dtype=torch.float32)
     lib.bi_rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), rows, hidden, eps,
                          out.data_ptr(), torch.get_num_threads())
@@ -48,8 +54,8 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a contiguous `[rows, 2 * inter]` (gate, then up), as a new
     contiguous `[rows, inter]`."""
     rows, width = gate_up.shape
-    if width % 2 or not gate_up.is_contiguous():
-        raise ValueError("silu_mul takes contiguous [rows, 2 * inter] rows")
+    if width % 2 or not gate_up.is_contiguous() or not _float32_cpu(gate_up):
+        raise ValueError("silu_mul takes contiguous float32 CPU [rows, 2 * inter] rows")
     out = torch.empty((rows, width // 2), dtype=torch.float32)
     lib.bi_silu_mul_rows(gate_up.data_ptr(), rows, width // 2, out.data_ptr(),
                          torch.get_num_threads())
@@ -63,7 +69,8 @@ def rotate_(lib: ctypes.CDLL, x: torch.Tensor, heads: int, positions: torch.Tens
     of `cos`, `sin` `[max_positions, head_dim / 2]` (the "rotate_half" form). `positions`
     `[rows]` int64 must lie in the tables: the caller checks them once a step."""
     rows, all_heads, head_dim = x.shape
-    if (x.stride(2) != 1 or x.stride(1) != head_dim or not 0 <= heads <= all_heads
+    if (not _float32_cpu(x, cos, sin) or positions.device.type != "cpu"
+            or x.stride(2) != 1 or x.stride(1) != head_dim or not 0 <= heads <= all_heads
             or cos.shape != sin.shape or cos.shape[1] * 2 != head_dim
             or not (cos.is_contiguous() and sin.is_contiguous())
             or positions.shape != (rows,) or positions.dtype != torch.int64
@@ -83,7 +90,7 @@ def add_layer_norm(lib: ctypes.CDLL, a: torch.Tensor, b: torch.Tensor, weight: t
     rows, hidden = a.shape
     if out is None:
         out = torch.empty((rows, hidden), dtype=torch.float32)
-    if (b.shape != a.shape or out.shape != a.shape
+    if (not _float32_cpu(a, b, weight, bias, out) or b.shape != a.shape or out.shape != a.shape
             or any(t.stride(1) != 1 for t in (a, b, out))
             or weight.shape != (hidden,) or bias.shape != (hidden,)
             or not (weight.is_contiguous() and bias.is_contiguous())):
@@ -98,7 +105,7 @@ def add_layer_norm(lib: ctypes.CDLL, a: torch.Tensor, b: torch.Tensor, weight: t
 def gelu_(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """GELU in its erf form (`F.gelu`'s default), in place on a contiguous tensor, to within
     ~1e-7 of torch's (erf by a rational approximation); returns `x`."""
-    if not x.is_contiguous():
-        raise ValueError("gelu_ takes a contiguous tensor")
+    if not x.is_contiguous() or not _float32_cpu(x):
+        raise ValueError("gelu_ takes a contiguous float32 CPU tensor")
     lib.bi_gelu(x.data_ptr(), x.numel(), torch.get_num_threads())
     return x
