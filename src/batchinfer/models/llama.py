@@ -221,16 +221,12 @@ class Rotary:
             self.sin = sin_table[positions].unsqueeze(1).to(dtype)
 
     def rotated(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        """The first `heads` heads of `x` `[n, all_heads, head_dim]` rotated: rotated in place
-        and returned as a view where native, else a new tensor (`x` unchanged)."""
-        if (self.lib is not None and x.dtype == torch.float32 and x.stride(2) == 1
-                and x.stride(1) == x.shape[2]):
+        """The first `heads` heads of `x` `[n, all_heads, head_dim]` (heads side by side in a
+        row, as a view of the fused projection has them) rotated: in place and returned as a
+        view where native, else as a new tensor (`x` unchanged)."""
+        if self.lib is not None:
             elementwise.rotate_(self.lib, x, heads, self.positions, self.cos, self.sin)
             return x[:, :heads]
-        if self.lib is not None:  # an unusual layout: the torch form, its rows gathered now
-            cos = self.cos[self.positions].unsqueeze(1).to(x.dtype)
-            sin = self.sin[self.positions].unsqueeze(1).to(x.dtype)
-            return apply_rope(x[:, :heads], cos, sin)
         return apply_rope(x[:, :heads], self.cos, self.sin)
 
 

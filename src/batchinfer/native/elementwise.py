@@ -17,11 +17,13 @@ import torch
 from batchinfer import native
 
 
+def _float32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The native library where every tensor is float32 on the CPU, else None."""
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return None
-    return native.library()
+    return native.library() if _float32_cpu(*tensors) else None
 
 
 def library_for_dtype(dtype: torch.dtype, device: torch.device) -> ctypes.CDLL | None:
@@ -29,10 +31,6 @@ def library_for_dtype(dtype: torch.dtype, device: torch.device) -> ctypes.CDLL |
     if dtype != torch.float32 or device.type != "cpu":
         return None
     return native.library()
-
-
-def _float32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
