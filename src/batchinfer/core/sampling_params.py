@@ -5,14 +5,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from batchinfer.core.validation import INT64_MAX, INT64_MIN
+
+# Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by less would make
+# the distribution a point mass anyway, and by far less (1e-300 is 0.0 in float32) it overflows
+# to inf and NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop; mirrors vLLM's `SamplingParams` field names.
 
     Every field is checked in `__post_init__`; a bad value raises `ValueError` naming the field.
-    `temperature == 0` means greedy. `seed` makes sampling of this request reproducible whatever
-    else shares its batch.
+    A `temperature` below `MIN_SAMPLING_TEMPERATURE` (1e-5, 0 included) means greedy. `seed`
+    (a 64-bit integer) makes sampling of this request reproducible whatever else shares its
+    batch. Integers are 64-bit; token ids are checked against the vocabulary by the engine.
     """
 
     n: int = 1
@@ -78,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -94,6 +102,8 @@ def _check_int(name: str, value: object, low: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be a 64-bit integer, got {value}")
 
 
 def _check_float(name: str, value: object, low: float | None = None) -> None:

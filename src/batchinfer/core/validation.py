@@ -9,6 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+# Integers the API takes are 64-bit, as OpenAI's are: a bigger one cannot mean anything.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class ParamError(ValueError):
+    """A request field with a bad value; `param` is the field's name in the API."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 def check_int(name: str, value: object, low: int = 1) -> int:
     """`value` if it is an integer >= `low` (1: a positive count); else `ValueError`."""

@@ -4,9 +4,16 @@ Order of operations (vLLM's): logprobs are taken from the RAW logits (log_softma
 penalty or temperature, as vLLM returns by default); then repetition penalty (HF: over prompt +
 output tokens, divide positive logits, multiply negative ones), frequency / presence penalties
 (OpenAI: over output tokens only), `min_tokens` (EOS and stop tokens masked while the output is
-shorter); greedy rows take the argmax of that; random rows then divide by temperature and apply
-min_p, top_k, top_p, and draw by inverse CDF: one uniform number per row, located in the row's
-cumulative probabilities. (The exponential race `argmax(probs / Exponential(1))` needs a random
+shorter); greedy rows (temperature below 1e-5, `SamplingParams.greedy`) take the argmax of that;
+random rows then divide by temperature and apply min_p, top_k, top_p, and draw by inverse CDF: one
+uniform number per row, located in the row's cumulative probabilities.
+
+Numerics: penalised logits are clamped to float32's finite range (a repetition penalty of 1e-40
+divides a logit to inf); random rows subtract their largest logit before the temperature divides
+them, so no entry exceeds 0 and the softmax never meets inf - inf; a row whose probabilities still
+do not sum to a finite positive mass (the model's own logits were NaN) is a `RuntimeError` naming
+the request, which the engine core fails alone; reported logprobs are floored at -9999 (vLLM's
+floor: JSON has no -inf). (The exponential race `argmax(probs / Exponential(1))` needs a random
 number per vocabulary entry, and drawing those costs a sizeable part of a CPU decode step;
 figures in docs/architecture.md, "Measured figures behind design choices".)
 
@@ -27,6 +34,8 @@ from batchinfer.core.outputs import ScheduledSequence, TokenLogprobs
 from batchinfer.core.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(slots=True)
@@ -62,12 +71,19 @@ class Sampler:
         apply_penalties(logits, sequences)
         self._apply_min_tokens(logits, sequences)
         token_ids = logits.argmax(dim=-1)
+        vocab_size = logits.shape[1]
+        # argmax picks a NaN where a row holds one: such a row is marked `vocab` like a random
+        # row that cannot be drawn from.
+        token_ids.masked_fill_(logits.gather(1, token_ids[:, None])[:, 0].isnan(), vocab_size)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
             token_ids[rows] = self._draw(probs, [sequences[i] for i in random_rows])
         token_list = token_ids.tolist()
+        broken = [sequences[i].request_id for i, t in enumerate(token_list) if t >= vocab_size]
+        if broken:
+            raise RuntimeError(f"non-finite logits: no token can be drawn for requests {broken}")
         if raw_logprobs is None:
             return SamplerOutput(token_list, None)
         logprobs: list[TokenLogprobs | None] = [None] * len(sequences)
@@ -118,7 +134,11 @@ class Sampler:
         # filtered entry's cumulative mass equals its predecessor's.
         below_total = torch.nextafter(total, torch.zeros_like(total))
         targets = torch.minimum(uniforms.mul_(total), below_total)
-        return torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        drawn = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        # A row without a finite positive mass gets the id `vocab`, which the caller refuses
+        # once the ids are on the host (no extra device sync here).
+        broken = ~(total[:, 0] > 0.0) | ~torch.isfinite(total[:, 0])
+        return drawn.masked_fill_(broken, probs.shape[1])
 
 
 def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
@@ -159,13 +179,15 @@ def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) ->
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
     sub = sub - frequency * counts - presence * (counts > 0)
-    logits[row_index] = sub
+    logits[row_index] = sub.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, min_p, top_k and top_p; `logits` is a private copy."""
     device = logits.device
     vocab_size = logits.shape[1]
+    # Largest logit first: every entry is then <= 0 and stays finite (or -inf) once divided.
+    logits.sub_(logits.amax(dim=-1, keepdim=True))
     logits.div_(torch.tensor([p.temperature for p in params], device=device)[:, None])
     if any(p.min_p > 0.0 for p in params):
         probs = logits.softmax(dim=-1)
@@ -203,7 +225,9 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     mass_before = probs.cumsum(dim=-1) - probs
     # A row without top_p gets 2.0: float rounding can push its cumulative mass past 1.0.
     top_p = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], device=device)[:, None]
-    sorted_logits.masked_fill_(mass_before >= top_p, float("-inf"))
+    dropped = mass_before >= top_p
+    dropped[:, 0] = False  # a top_p that float32 rounds to 0 (1e-300) keeps the first token too
+    sorted_logits.masked_fill_(dropped, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
@@ -216,8 +240,10 @@ def _gather_logprobs(
     max_n = max(requested)
     if max_n:
         top_values, top_ids = logprobs.topk(max_n, dim=-1)
-        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    chosen_list, chosen_lp_list = chosen.tolist(), chosen_logprobs[:, 0].tolist()
+        top_values_list = top_values.clamp_(min=LOGPROB_FLOOR).tolist()
+        top_ids_list = top_ids.tolist()
+    chosen_list = chosen.tolist()
+    chosen_lp_list = chosen_logprobs[:, 0].clamp_(min=LOGPROB_FLOOR).tolist()
     entries = []
     for r, n in enumerate(requested):
         top = list(zip(top_ids_list[r][:n], top_values_list[r][:n], strict=True)) if n else []
