@@ -13,14 +13,17 @@ from batchinfer.core.sampling_params import SamplingParams
 PRIORITY_CLASSES = {"interactive": 0, "batch": 10}
 INTERACTIVE_PRIORITY = PRIORITY_CLASSES["interactive"]
 BATCH_PRIORITY = PRIORITY_CLASSES["batch"]
+# The range a priority may take (32-bit): room for any ordering a deployment needs.
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulingOptions:
     """How the scheduler treats one request; every field is optional.
 
-    `priority`: lower runs first (default: the tier's, else 0). `service_tier`: "interactive" or
-    "batch" (default: "batch" when `priority` >= the batch class's, else "interactive").
+    `priority`: lower runs first, in [`PRIORITY_MIN`, `PRIORITY_MAX`] (default: the tier's,
+    else 0). `service_tier`: "interactive" or "batch" (default: "batch" when `priority` >= the
+    batch class's, else "interactive").
     `timeout_s`: the most time it may spend waiting in the queue, in all (default: the engine's
     `max_queue_time_ms`). `max_tokens_fixed`: False when the user did not choose `max_tokens`,
     so `elastic_max_tokens` may lower it under pressure.
@@ -36,6 +39,9 @@ class SchedulingOptions:
             isinstance(self.priority, bool) or not isinstance(self.priority, int)
         ):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.priority is not None and not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                             f"got {self.priority}")
         if self.service_tier is not None and self.service_tier not in PRIORITY_CLASSES:
             raise ValueError(f"service_tier must be one of {', '.join(PRIORITY_CLASSES)}; "
                              f"got {self.service_tier!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from batchinfer.core.request import Request, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.validation import ParamError
 from batchinfer.engine.inputs import Prompt, tokenize_prompt
 
 
@@ -72,6 +73,10 @@ class Processor:
         """Tokenize, validate and fan out one request (not queued yet)."""
         params = params or SamplingParams()
         scheduling = scheduling or SchedulingOptions()
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ParamError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[0]}",
+                             "stop_token_ids")
         text, token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(

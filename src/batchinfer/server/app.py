@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -59,6 +60,9 @@ CUT_MARGIN_S = 0.5
 # (/v1/*, /tokenize, /detokenize, /version, /docs, /openapi.json) costs work or shows the API.
 OPEN_PATHS = ("/health", "/metrics")
 UPLOAD_PATH = "/v1/files"
+# A client's X-Request-Id is echoed back and names its requests in logs and engine ids (which
+# add `@` and `#`): bounded and plain, or the request is refused with a fresh id.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,11 +472,16 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        given = headers.get("x-request-id")
+        valid = given is None or REQUEST_ID.fullmatch(given) is not None
+        request_id = given if given is not None and valid else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         send = _with_request_id(send, request_id)
         path: str = scope["path"]
-        error = self._check(path, headers, scope["state"], scope.get("query_string", b""))
+        error: Response | None = None if valid else error_response(
+            400, "X-Request-Id must be 1 to 128 letters, digits or ._:/+=- characters",
+            param="X-Request-Id", code="invalid_request_id")
+        error = error or self._check(path, headers, scope["state"], scope.get("query_string", b""))
         if error is None and path == UPLOAD_PATH and scope["method"] == "POST":
             # A multipart upload, streamed to disk by the route: only its size is bounded here.
             error, receive = self._bound_upload(headers, receive)

@@ -34,7 +34,7 @@ class EmbeddingRequest(UnicodeChecked):
     """OpenAI's embeddings request (+ `truncate`, `lane`, `timeout_ms`); unknown fields are
     ignored. `input` is checked by the service so its errors name the offending item."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     input: Any = Field(description="a string, a list of strings, a list of token ids, "
                                    "or a list of token id lists")

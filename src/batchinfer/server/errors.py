@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchinfer.batching.errors import BatcherClosedError, ItemTimeoutError, OverloadedError
@@ -80,6 +80,8 @@ def to_api_error(exc: Exception, request_id: str | None = None) -> APIError:
         return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, BatcherClosedError):
         return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, ValidationError):  # a model built inside a handler
+        return validation_error(exc)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value")
     where = f" (request id {request_id})" if request_id else ""
@@ -129,23 +131,105 @@ class UnicodeChecked(BaseModel):
         return self
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """A pydantic validation failure -> 400 naming the first failing field."""
-    errors = exc.errors()
+def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+    """A pydantic validation failure -> 400 naming the first failing field, in our words."""
+    errors = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid")
         reason = detail.get("ctx", {}).get("error", detail.get("msg", ""))
         return APIError(400, f"malformed JSON body: {reason}", code="invalid_json")
-    first = errors[0] if errors else {}
-    loc = [part for part in first.get("loc", ()) if part != "body"]
-    cause = first.get("ctx", {}).get("error")
-    # The top-level field where the error sits (a nested model's own `param` is relative).
-    param = (str(loc[0]) if loc else None) or getattr(cause, "param", None)
-    where = ".".join(str(part) for part in loc)
-    message = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid request")
-    if where and not message.startswith(where):
-        message = f"{where}: {message}"
+    message, param = describe_errors(errors)
     return APIError(400, message, param=param, code="invalid_value")
+
+
+# What a value must be, per pydantic error type and per union member's tag.
+_KINDS = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+          "float_type": "a number", "float_parsing": "a number", "string_type": "a string",
+          "bool_type": "true or false", "bool_parsing": "true or false", "list_type": "a list",
+          "dict_type": "an object", "model_type": "an object",
+          "model_attributes_type": "an object", "none_required": "null"}
+_TAGS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+         "float": ("a number", "numbers"), "bool": ("true or false", "booleans"),
+         "none": ("null", "nulls")}
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+_ORIGINS = ("body", "query", "path", "header")  # where FastAPI found the value
+
+
+def describe_errors(errors: list[Any]) -> tuple[str, str | None]:
+    """(message, param) of the first of pydantic's `errors`: the field's path as a client
+    writes it (`messages[0].content`), what is wrong with it, and its top-level name."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    while loc and loc[0] in _ORIGINS:
+        loc = loc[1:]
+    # A union's members each report an error under a tag (`str`, `list[int]`): say what the
+    # field may be, not why each member failed.
+    tag_at = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
+    cause = first.get("ctx", {}).get("error")
+    param = (str(loc[0]) if loc and tag_at != 0 else None) or getattr(cause, "param", None)
+    if tag_at is not None and len(errors) > 1:
+        base = loc[:tag_at]
+        tags: list[str] = []
+        for error in errors:
+            at = [part for part in error.get("loc", ()) if part not in _ORIGINS]
+            if at[:tag_at] == base and len(at) > tag_at and _is_tag(at[tag_at]):
+                text = _tag_text(str(at[tag_at]))
+                if text not in tags:
+                    tags.append(text)
+        choices = ", ".join(tags[:-1]) + f" or {tags[-1]}" if len(tags) > 1 else tags[0]
+        return f"{_path(base)} must be {choices}", param
+    where = _path([part for part in loc if not _is_tag(part)])
+    kind = first.get("type", "")
+    ctx = first.get("ctx", {})
+    if isinstance(cause, Exception):
+        message = str(cause)
+        return (message if not where or message.startswith(where) else f"{where}: {message}",
+                param)
+    if not where:
+        return ("the request body must be a JSON object" if kind in _KINDS
+                else first.get("msg", "invalid request")), None
+    if kind == "missing":
+        return f"{where} is required", param
+    if kind == "finite_number":
+        return f"{where} must be a finite number", param
+    if kind in _BOUNDS:
+        sign, key = _BOUNDS[kind]
+        return f"{where} must be {sign} {ctx.get(key)}", param
+    if kind == "too_short":
+        least = ctx.get("min_length")
+        return f"{where} must hold at least {least} item{'' if least == 1 else 's'}", param
+    if kind == "too_long":
+        return f"{where} may hold at most {ctx.get('max_length')} items", param
+    if kind == "literal_error":
+        return f"{where} must be {ctx.get('expected')}", param
+    if kind in _KINDS:
+        return f"{where} must be {_KINDS[kind]}", param
+    return f"{where}: {first.get('msg', 'invalid value')}", param
+
+
+def _is_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TAGS or "[" in part or part[:1].isupper())
+
+
+def _tag_text(tag: str, plural: bool = False) -> str:
+    """`list[int]` -> "a list of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _tag_text(tag[5:-1], plural=True)
+        return f"lists of {inner}" if plural else f"a list of {inner}"
+    if tag in _TAGS:
+        return _TAGS[tag][plural]
+    return "objects" if plural else "an object"
+
+
+def _path(loc: list[Any]) -> str:
+    """`["messages", 0, "content"]` -> "messages[0].content"."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
 
 
 def install_error_handlers(app: FastAPI) -> None:

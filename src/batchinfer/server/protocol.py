@@ -1,12 +1,14 @@
 """Request schemas of the OpenAI-compatible API, and their conversion to `SamplingParams`.
 
-Fields are OpenAI's names. Extensions (documented in docs/server.md): `top_k`, `min_p`,
+Fields are OpenAI's names. Every field of OpenAI's request schemas is honoured, refused with a
+400 naming it, or accepted and ignored because it cannot change the output (`user`, `store`,
+`metadata`, ...): docs/server.md has the table, field by field. Extensions: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-and `include_stop_str_in_output`; scheduling: `priority` (int, lower first), `service_tier`
+`include_stop_str_in_output`; scheduling: `priority` (int, lower first), `service_tier`
 (`interactive` | `batch`, or OpenAI's `auto` / `default` / `priority` / `flex`; also the
-`X-Service-Tier` header) and `timeout` (seconds a request may wait in the queue). Unknown fields are ignored, as OpenAI-compatible servers do; fields
-batchinfer cannot honour (`echo`, `suffix`, `logit_bias`, `best_of != n`, tools, non-text
-content) are rejected with a 400 that names them rather than silently dropped.
+`X-Service-Tier` header) and `timeout` (seconds a request may wait in the queue). Other unknown
+fields are ignored, as OpenAI-compatible servers do, except the extensions other servers use to
+change the output (`guided_json`, `structured_outputs`, ...), which are refused by name.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from pydantic import ConfigDict, Field
 
 from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.validation import ParamError
 from batchinfer.server.errors import UnicodeChecked
 
 # Bounds of the request body, so one request cannot ask for unbounded work.
 MAX_N = 16
 MAX_PROMPTS = 256
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]
+MAX_STOP = 64  # stop strings (or ids) per request: each is checked at every step
 # `service_tier` values -> priority class (None: the class the request's priority falls in).
 SERVICE_TIERS: dict[str, str | None] = {
     "interactive": "interactive", "batch": "batch",
@@ -31,18 +35,43 @@ SERVICE_TIERS: dict[str, str | None] = {
 }
 
 
-class ParamError(ValueError):
-    """A request field with a bad value; `param` is the field's name in the API."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
+# Fields that would change the output and that batchinfer does not honour (yet): given with
+# any value but their no-op ones, they are refused by name. OpenAI's own first, then the
+# extensions other servers take for constrained decoding and token filtering.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "moderation": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+}
+# Fields that only mean something with another field (OpenAI's rules): refused without it.
+NEEDS: dict[str, tuple[str, str]] = {"tool_choice": ("tools", "tools are given"),
+                                     "parallel_tool_calls": ("tools", "tools are given"),
+                                     "stream_options": ("stream", "stream is true")}
 
 
 class _Schema(UnicodeChecked):
     # Strict types: "8" or true is no max_tokens and "yes" no stream flag; a client that sends
     # them has a bug that coercion would hide. (Integers are still taken for float fields.)
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NaN and infinities are no value of any field.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Schema):
@@ -56,13 +85,12 @@ class _SamplingFields(_Schema):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions
     top_k: int | None = None
@@ -70,12 +98,46 @@ class _SamplingFields(_Schema):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int | None = None
     service_tier: str | None = None
     timeout: float | None = Field(default=None, ge=0.0)
+    # refused (REFUSED, NEEDS): declared so that their presence is seen
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+
+    def check_supported(self) -> None:
+        """`ParamError` naming the first field given that batchinfer cannot honour."""
+        for name, no_ops in REFUSED.items():
+            value = getattr(self, name)
+            if name in self.model_fields_set and not any(value == v for v in no_ops):
+                raise ParamError(f"{name} is not supported by this server", name)
+        for name, (needed, when) in NEEDS.items():
+            if getattr(self, name) is not None and not getattr(self, needed):
+                raise ParamError(f"{name} is only allowed when {when}", name)
 
     @property
     def include_usage(self) -> bool:
@@ -90,16 +152,19 @@ class _SamplingFields(_Schema):
         if tier is not None and tier not in SERVICE_TIERS:
             raise ParamError(f"{param} must be one of {', '.join(SERVICE_TIERS)}; got {tier!r}",
                              "service_tier")
-        return SchedulingOptions(
-            priority=self.priority,
-            service_tier=SERVICE_TIERS[tier] if tier is not None else None,
-            timeout_s=self.timeout,
-            max_tokens_fixed=bool({"max_tokens", "max_completion_tokens"} & self.model_fields_set),
-        )
+        try:
+            return SchedulingOptions(
+                priority=self.priority,
+                service_tier=SERVICE_TIERS[tier] if tier is not None else None,
+                timeout_s=self.timeout,
+                max_tokens_fixed=bool({"max_tokens", "max_completion_tokens"}
+                                      & self.model_fields_set),
+            )
+        except ValueError as exc:
+            raise ParamError(str(exc), _param_of(str(exc))) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ParamError("logit_bias is not supported", "logit_bias")
+        self.check_supported()
         values: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -150,7 +215,7 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         if self.echo:
             raise ParamError("echo is not supported", "echo")
-        if self.suffix:
+        if self.suffix:  # "" appends nothing
             raise ParamError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of is not supported (only best_of == n)", "best_of")
@@ -163,9 +228,46 @@ class ContentPart(_Schema):
 
 
 class ChatMessage(_Schema):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function" is OpenAI's legacy role: taken here so that its refusal can say so.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # passed to the chat template, which renders it if it knows how
+    tool_call_id: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+
+
+def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as `{"role", "content"[, "name"]}` dicts for the chat template; text parts only.
+    `ParamError` (param `messages`) for what the template cannot be given."""
+    chat = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if message.role == "function":
+            raise ParamError(f"{where}: the role 'function' (legacy function calling) is not "
+                             "supported", "messages")
+        for name in ("tool_calls", "function_call", "audio", "refusal"):
+            if getattr(message, name) is not None:
+                raise ParamError(f"{where}.{name} is not supported by this server", "messages")
+        if message.role == "tool":
+            what = ("needs its tool_call_id" if message.tool_call_id is None
+                    else "must answer a tool call of a preceding assistant message")
+            raise ParamError(f"{where}: a tool message {what}", "messages")
+        content = message.content
+        if content is None and message.role != "assistant":  # an empty assistant turn is ""
+            raise ParamError(f"{where}.content is required for a {message.role} message",
+                             "messages")
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise ParamError(f"{where}.content: only text parts are supported", "messages")
+            content = "\n".join(part.text or "" for part in content)
+        rendered = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            rendered["name"] = message.name
+        chat.append(rendered)
+    return chat
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -176,29 +278,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def chat(self) -> list[dict[str, str]]:
-        """Messages as `{"role", "content"}` dicts for the chat template; text parts only."""
-        if self.tools:
-            raise ParamError("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ParamError("response_format: only type 'text' is supported", "response_format")
-        chat = []
-        for i, message in enumerate(self.messages):
-            content = message.content
-            if content is None and message.role != "assistant":
-                raise ParamError(f"messages[{i}].content is required for a {message.role} "
-                                 "message", "messages")
-            if isinstance(content, list):
-                if any(part.type != "text" or part.text is None for part in content):
-                    raise ParamError(
-                        f"messages[{i}].content: only text parts are supported", "messages"
-                    )
-                content = "\n".join(part.text or "" for part in content)
-            chat.append({"role": message.role, "content": content or ""})
-        return chat
+        """The messages for the chat template (`render_messages`)."""
+        self.check_supported()
+        return render_messages(self.messages)
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -222,7 +306,7 @@ class TokenizeRequest(_Schema):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from batchinfer.core.outputs import TokenLogprobs
 from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.validation import ParamError
 from batchinfer.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -39,8 +40,8 @@ from batchinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ParamError,
     TokenizeRequest,
+    render_messages,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,8 +162,10 @@ class OpenAIServing:
             where = f"prompt[{i}]: " if len(prompts) > 1 else ""
             try:
                 request = processor.process(prompt, params, request_id, scheduling=scheduling)
-            except ValueError as exc:
-                raise APIError(400, f"{where}{exc}", param="prompt") from None
+            except ValueError as exc:  # the prompt's, or a field checked against the model
+                param = getattr(exc, "param", "prompt")
+                prefix = where if param == "prompt" else ""
+                raise APIError(400, f"{prefix}{exc}", param=param) from None
             num_prompt = len(request.prompt_token_ids)
             if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
                 # vLLM's rule: refuse rather than silently cut the output short.
@@ -189,8 +192,8 @@ class OpenAIServing:
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: `{"tokens", "count", "max_model_len"}`."""
-        if body.messages is not None:
-            chat = _checked(ChatCompletionRequest(messages=body.messages).chat)
+        if (messages := body.messages) is not None:
+            chat = _checked(lambda: render_messages(messages))
             _, token_ids = self.llm.tokenize(chat)
         elif body.prompt is not None:
             tokenizer = self.llm.tokenizer
@@ -224,7 +227,7 @@ def _checked(build: Any) -> Any:
     try:
         return build()
     except ParamError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
 async def _engine_call(awaitable: Any, request: Request) -> Any:
