@@ -39,7 +39,7 @@ from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.serve import bench_serve
 from batchinfer.bench.sweep import SweepConfig, SweepServer, running_server
 from batchinfer.core.config import EngineConfig
-from batchinfer.models.hardware import cpu_model
+from batchinfer.core.cpu import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
