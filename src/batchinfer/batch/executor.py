@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from batchinfer.batch.lines import BatchLine, output_line, rejected_line
+from batchinfer.core.api_errors import error_body
 from batchinfer.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,8 @@ async def run_lines(lines: Iterable[BatchLine], handler: Handler,
             raise
         except Exception as exc:  # the engine died, a transport error: this line fails alone
             logger.exception("batch line %s failed", line.custom_id)
-            status, body, request_id = 500, APIError(500, f"{type(exc).__name__}: {exc}",
-                                                     code="internal_error").body(), None
+            status, body, request_id = 500, error_body(500, f"{type(exc).__name__}: {exc}",
+                                                       code="internal_error"), None
         done[seq] = (line, output_line(line.custom_id, status, body, request_id))
         flush()
 
