@@ -34,12 +34,12 @@ from typing import Any
 import httpx
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.batch.offline import run_batch_file
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.serve import bench_serve
 from batchinfer.bench.sweep import SweepConfig, SweepServer, running_server
 from batchinfer.core.config import EngineConfig
-from batchinfer.models.hardware import cpu_model
+from batchinfer.core.cpu import cpu_model
+from batchinfer.server.offline import run_batch_file
 
 ROOT = Path(__file__).resolve().parent.parent
 

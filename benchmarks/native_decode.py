@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.core.cpu import cpu_model
 from batchinfer.core.outputs import ScheduledSequence
-from batchinfer.models.hardware import cpu_model
 from batchinfer.models.linear_kernels import BUCKET_NAMES, bucket_of
 from batchinfer.runner import model_runner
 from batchinfer.runner.input_batch import prepare_inputs

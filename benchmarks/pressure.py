@@ -33,7 +33,7 @@ from typing import Any
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.serve import bench_serve
 from batchinfer.bench.sweep import SweepConfig, SweepServer, running_server
-from batchinfer.models.hardware import cpu_model
+from batchinfer.core.cpu import cpu_model
 
 CONFIGS = {
     "fcfs": ("--scheduling-policy", "fcfs"),

@@ -33,7 +33,7 @@ from typing import Any
 from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.serve import bench_serve
 from batchinfer.bench.sweep import SweepConfig, SweepServer, free_port, running_server
-from batchinfer.models.hardware import cpu_model
+from batchinfer.core.cpu import cpu_model
 
 
 def layouts(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], int | None]]:

@@ -60,9 +60,10 @@ from batchinfer.bench.config import BenchConfig
 from batchinfer.bench.serve import bench_serve
 from batchinfer.bench.sweep import SweepConfig, SweepServer, free_port, running_server, stop_process
 from batchinfer.bench.workload import parse_length_spec, synthetic_workload
+from batchinfer.core.cpu import cpu_model
+from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.gguf import convert_gguf
-from batchinfer.models.hardware import cpu_model
-from batchinfer.models.loader import default_cache_dir, load_tokenizer
+from batchinfer.models.loader import load_tokenizer
 from batchinfer.models.registry import default_gguf_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer import LLM, SamplingParams, native
+from batchinfer.core.cpu import cpu_flags
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
-from batchinfer.models.hardware import cpu_flags
 from batchinfer.models.linear_kernels import (
     KernelLinear,
     WeightForms,

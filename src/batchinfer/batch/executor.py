@@ -1,12 +1,13 @@
-"""Run batch lines through the server's own handlers, a bounded number at a time, and write
-the answers in input order.
+"""Run batch lines through a `Handler`, a bounded number at a time, and write the answers in
+input order.
 
-`AppClient` sends each line's body to the server app in this process (httpx's ASGI transport),
-so a batch line gets exactly what the same request over HTTP would: the same validation, the
-same OpenAI error bodies, the same scheduling. `run_lines` keeps at most `max_in_flight` lines
-between admission and write: that bounds both the requests running and the finished answers
-held back behind a slow earlier line. Stopping (cancel, expiry, Ctrl-C) writes the finished
-prefix and drops the rest, so at most the lines in flight are lost.
+The handler is the caller's: `run-batch` and the server's batch jobs hand in the server app
+in this process (`server.client.AppClient`), so a batch line gets exactly what the same
+request over HTTP would: the same validation, the same OpenAI error bodies, the same
+scheduling; this package imports nothing of the server. `run_lines` keeps at most
+`max_in_flight` lines between admission and write: that bounds both the requests running and
+the finished answers held back behind a slow earlier line. Stopping (cancel, expiry, Ctrl-C)
+writes the finished prefix and drops the rest, so at most the lines in flight are lost.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from batchinfer.batch.lines import BatchLine, output_line, rejected_line
-from batchinfer.server.errors import APIError
+from batchinfer.core.api_errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -50,29 +49,6 @@ def retrying(handler: Handler, stop: asyncio.Event) -> Handler:
             await asyncio.sleep(RETRY_DELAY_S)
 
     return handle
-
-
-class AppClient:
-    """Requests to an ASGI app in this process; `headers` go with each (auth, tier)."""
-
-    def __init__(self, app: Any, headers: dict[str, str] | None = None) -> None:
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                        base_url="http://batch", timeout=None)
-        self.headers = headers or {}
-
-    async def __call__(self, url: str, body: dict[str, Any]) -> tuple[int, Any, str | None]:
-        response = await self.client.post(url, json=body, headers=self.headers)
-        try:
-            payload = response.json()
-        except ValueError:
-            payload = APIError(response.status_code, response.text[:500]).body()
-        return response.status_code, payload, response.headers.get("x-request-id")
-
-    async def get(self, url: str) -> httpx.Response:
-        return await self.client.get(url, headers=self.headers)
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
 
 
 @dataclass
@@ -132,8 +108,8 @@ async def run_lines(lines: Iterable[BatchLine], handler: Handler,
             raise
         except Exception as exc:  # the engine died, a transport error: this line fails alone
             logger.exception("batch line %s failed", line.custom_id)
-            status, body, request_id = 500, APIError(500, f"{type(exc).__name__}: {exc}",
-                                                     code="internal_error").body(), None
+            status, body, request_id = 500, error_body(500, f"{type(exc).__name__}: {exc}",
+                                                       code="internal_error"), None
         done[seq] = (line, output_line(line.custom_id, status, body, request_id))
         flush()
 

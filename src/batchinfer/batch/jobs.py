@@ -2,12 +2,13 @@
 
 A job's life (OpenAI's statuses): `validating` (the input file is read once: line count,
 duplicate custom_ids fail the batch) -> `in_progress` (lines run through the server's own
-routes with `service_tier: batch` / `lane: batch`, so the scheduler serves interactive traffic
-first; answers are appended to `output.jsonl` (2xx) or `errors.jsonl` in input order) ->
-`finalizing` (the two files become `batch_output` files) -> `completed`. `cancelling` ->
-`cancelled` keeps what finished; a passed `completion_window` -> `expired`, the lines not run
-answered with `batch_expired`. A server stopped or killed mid-job resumes it at start-up:
-the lines already in its files are skipped, so no finished answer is lost or repeated.
+routes, the `send` handler `server.batches` hands in, with `service_tier: batch` / `lane:
+batch`, so the scheduler serves interactive traffic first; answers are appended to
+`output.jsonl` (2xx) or `errors.jsonl` in input order) -> `finalizing` (the two files become
+`batch_output` files) -> `completed`. `cancelling` -> `cancelled` keeps what finished; a
+passed `completion_window` -> `expired`, the lines not run answered with `batch_expired`. A
+server stopped or killed mid-job resumes it at start-up: the lines already in its files are
+skipped, so no finished answer is lost or repeated.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from batchinfer.batch.executor import AppClient, Handler, retrying, run_lines
+from batchinfer.batch.executor import Handler, retrying, run_lines
 from batchinfer.batch.lines import BatchLine
 from batchinfer.batch.offline import Resume, pending_lines, read_resume, survey
 from batchinfer.batch.store import BatchStore, new_id
@@ -48,13 +49,14 @@ def parse_window(window: str) -> int:
 
 
 class BatchManager:
-    """Runs the server's batch jobs; every method is called on the event loop."""
+    """Runs the server's batch jobs, each line through `send` (the server's routes); every
+    method is called on the event loop."""
 
-    def __init__(self, store: BatchStore, client: AppClient, max_in_flight: int,
+    def __init__(self, store: BatchStore, send: Handler, max_in_flight: int,
                  ready: Callable[[], Awaitable[bool]],
                  room: Callable[[], bool] = lambda: True) -> None:
         self.store = store
-        self.client = client
+        self.send = send
         self.max_in_flight = max_in_flight
         self.ready = ready
         self.room = room
@@ -250,7 +252,7 @@ class BatchManager:
                 # (Embeddings have their own batcher and lanes: they do not wait on this.)
                 while url != "/v1/embeddings" and not self.room():
                     await asyncio.sleep(ROOM_POLL_S)
-                return await self.client(url, body)
+                return await self.send(url, body)
 
         return retrying(send, stop)
 

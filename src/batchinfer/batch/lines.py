@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from batchinfer.server.errors import APIError
+from batchinfer.core.api_errors import error_body
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID_CHARS = 512
@@ -121,5 +121,5 @@ def output_line(custom_id: str | None, status_code: int, body: Any,
 def rejected_line(line: BatchLine) -> dict[str, Any]:
     """The 400 answer of a line that cannot run."""
     assert line.error is not None
-    error = APIError(400, str(line.error), param=line.error.param, code="invalid_batch_line")
-    return output_line(line.custom_id, 400, error.body())
+    return output_line(line.custom_id, 400, error_body(400, str(line.error), param=line.error.param,
+                                                       code="invalid_batch_line"))

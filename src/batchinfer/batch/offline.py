@@ -2,11 +2,11 @@
 
 Two passes over the input, neither holding it whole: the first counts the lines, refuses
 duplicate custom_ids before any work and notes which endpoints appear (so only the models
-needed are loaded); the second streams the lines through the server app built in this process
-(`executor.AppClient`). Resuming: lines whose custom_id the output file already holds are
-skipped (lines without a valid custom_id: as many as the output already answered), and a last
-line cut short by a kill is dropped first. The output is appended to, one flushed line per
-answer, in input order.
+needed are loaded); the second streams the lines through the handler the caller opens for
+those models (`run-batch`: the server app built in this process, `server.offline`).
+Resuming: lines whose custom_id the output file already holds are skipped (lines without a
+valid custom_id: as many as the output already answered), and a last line cut short by a kill
+is dropped first. The output is appended to, one flushed line per answer, in input order.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchinfer.batch.executor import AppClient, LineCounts, retrying, run_lines
+from batchinfer.batch.executor import Handler, LineCounts, retrying, run_lines
 from batchinfer.batch.lines import BatchLine, parse_line, peek
 
 logger = logging.getLogger(__name__)
-LOAD_TIMEOUT_S = 600.0
+GENERATOR_URLS = frozenset({"/v1/chat/completions", "/v1/completions"})
+ENCODER_URLS = frozenset({"/v1/embeddings"})
 
 
 @dataclass
@@ -34,6 +36,19 @@ class InputSurvey:
 
     num_lines: int = 0
     urls: set[str] = field(default_factory=set)
+
+    @property
+    def needs_generator(self) -> bool:
+        return bool(self.urls & GENERATOR_URLS)
+
+    @property
+    def needs_encoder(self) -> bool:
+        return bool(self.urls & ENCODER_URLS)
+
+
+# Opens the handler that answers a file's lines, loaded for the models its survey found
+# needed, and closes it on exit: the caller's, so this package knows nothing of the server.
+OpenHandler = Callable[[InputSurvey], AbstractAsyncContextManager[Handler]]
 
 
 def survey(path: Path) -> InputSurvey:
@@ -149,60 +164,30 @@ class BatchRunResult:
     load_s: float = 0.0
 
 
-async def run_batch_file(input_path: Path, output_path: Path, engine_config: Any,
-                         embedding_model: str | None = None, max_in_flight: int = 256,
-                         progress: bool = True, served_model_name: str | None = None
-                         ) -> BatchRunResult:
-    """Answer every line of `input_path` into `output_path` (resuming it if it exists) with
-    the generator `engine_config` (an `EngineConfig`) and, for /v1/embeddings lines, the
-    encoder `embedding_model` ('default' when None)."""
-    from batchinfer.server.app import ServerConfig, build_app
-
+async def answer_file(input_path: Path, output_path: Path, open_handler: OpenHandler,
+                      max_in_flight: int = 256, progress: bool = True) -> BatchRunResult:
+    """Answer every line of `input_path` into `output_path` (resuming it if it exists) through
+    the handler `open_handler(survey)` opens; it is not opened when no line needs a model
+    (nothing left to answer, or only lines that cannot run)."""
     found = survey(input_path)
     resume = read_resume(output_path)
     remaining = found.num_lines - resume.num_done
-    needs_generator = bool(found.urls & {"/v1/chat/completions", "/v1/completions"})
-    needs_encoder = "/v1/embeddings" in found.urls
-    server_config = ServerConfig(
-        served_model_name=served_model_name,
-        embedding_model=(embedding_model or "default") if needs_encoder else None,
-        max_num_queued_requests=max(1024, 2 * max_in_flight), max_request_bytes=1 << 30)
     start_s = time.perf_counter()
-    if remaining <= 0 or not (needs_generator or needs_encoder):
+    if remaining <= 0 or not (found.needs_generator or found.needs_encoder):
         # Nothing to load: every line left (if any) is rejected before it could run.
         counts = await _run(None, input_path, output_path, resume, remaining, max_in_flight,
                             progress)
         return BatchRunResult(found.num_lines, resume.num_done, counts,
                               time.perf_counter() - start_s)
-    app = build_app(engine_config if needs_generator else None, server_config)
-    async with app.router.lifespan_context(app):
-        client = AppClient(app)
-        try:
-            await _wait_ready(client)
-            load_s = time.perf_counter() - start_s
-            counts = await _run(client, input_path, output_path, resume, remaining,
-                                max_in_flight, progress)
-        finally:
-            await client.aclose()
+    async with open_handler(found) as handler:
+        load_s = time.perf_counter() - start_s
+        counts = await _run(handler, input_path, output_path, resume, remaining,
+                            max_in_flight, progress)
     return BatchRunResult(found.num_lines, resume.num_done, counts,
                           time.perf_counter() - start_s - load_s, load_s)
 
 
-async def _wait_ready(client: AppClient) -> None:
-    deadline = time.monotonic() + LOAD_TIMEOUT_S
-    while True:
-        response = await client.get("/health")
-        if response.status_code == 200:
-            return
-        body = response.json()
-        if body.get("status") == "failed":
-            raise ValueError(f"loading the model failed: {body.get('error', 'see the log')}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the model did not load within {LOAD_TIMEOUT_S:.0f} s")
-        await asyncio.sleep(0.1)
-
-
-async def _run(client: AppClient | None, input_path: Path, output_path: Path, resume: Resume,
+async def _run(handler: Handler | None, input_path: Path, output_path: Path, resume: Resume,
                remaining: int, max_in_flight: int, progress: bool) -> LineCounts:
     from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
@@ -226,8 +211,8 @@ async def _run(client: AppClient | None, input_path: Path, output_path: Path, re
                                 refresh=False)
 
         try:
-            handler = retrying(client, asyncio.Event()) if client is not None else no_model
-            return await run_lines(pending_lines(input_path, resume), handler, write,
+            send = retrying(handler, asyncio.Event()) if handler is not None else no_model
+            return await run_lines(pending_lines(input_path, resume), send, write,
                                    max_in_flight)
         finally:
             bar.close()

@@ -1,5 +1,6 @@
 """`batchinfer run-batch`: answer an OpenAI batch file (JSONL) offline, in input order,
-resumable (see `batchinfer.batch.offline`)."""
+resumable (see `batchinfer.batch.offline`; the server app it runs the lines through is built
+by `batchinfer.server.offline`)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchinfer.batch.offline import run_batch_file
+    from batchinfer.server.offline import run_batch_file
 
     check_int("max_in_flight", args.max_in_flight)
     config = EngineConfig.from_kwargs(**collect_flags(args, EngineConfig))

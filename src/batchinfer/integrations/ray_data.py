@@ -22,17 +22,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from batchinfer.batch.executor import AppClient, LineCounts, retrying, run_lines
+from batchinfer.batch.executor import LineCounts, retrying, run_lines
 from batchinfer.batch.lines import BatchLine, parse_line
-from batchinfer.batch.offline import (
-    BatchRunResult,
-    pending_texts,
-    read_resume,
-    run_batch_file,
-    survey,
-)
+from batchinfer.batch.offline import BatchRunResult, pending_texts, read_resume, survey
 from batchinfer.core.config import EngineConfig
 from batchinfer.integrations.ray_cluster import actor_cpus, actor_engine_config, connect
+from batchinfer.server.client import AppClient
+from batchinfer.server.offline import run_batch_file
 
 
 class LineAnswerer:
@@ -100,8 +96,7 @@ def run_batch_ray(input_path: Path, output_path: Path, engine_config: EngineConf
         raise ValueError(f"lines_per_batch must be at least 1, got {lines_per_batch}")
     found = survey(input_path)
     resume = read_resume(output_path)
-    needs_generator = bool(found.urls & {"/v1/chat/completions", "/v1/completions"})
-    needs_encoder = "/v1/embeddings" in found.urls
+    needs_generator, needs_encoder = found.needs_generator, found.needs_encoder
     if found.num_lines - resume.num_done <= 0 or not (needs_generator or needs_encoder):
         # No model to load (nothing left, or only lines that cannot run): no cluster needed.
         return asyncio.run(run_batch_file(input_path, output_path, engine_config,

@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from batchinfer.core.api_errors import error_body
 from batchinfer.core.config import EngineConfig
 from batchinfer.integrations.ray_cluster import (
     actor_cpus,
@@ -495,10 +496,7 @@ class _AsgiApp:
 
 async def _send_error(send: Any, status: int, message: str, code: str,
                       headers: dict[str, str] | None = None) -> None:
-    from batchinfer.server.errors import ERROR_TYPES
-
-    body = json.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
-                                 "param": None, "code": code}}).encode()
+    body = json.dumps(error_body(status, message, code=code)).encode()
     extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),

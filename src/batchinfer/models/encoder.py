@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer.core.config import ENCODER_QUANTIZATIONS
+from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.files import read_json
 from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.linear_kernels import apply_kernels, native_available
-from batchinfer.models.loader import default_cache_dir
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
 
 logger = logging.getLogger(__name__)

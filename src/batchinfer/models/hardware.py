@@ -8,13 +8,13 @@ and slower than float32 (figures in docs/architecture.md).
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
 from batchinfer.core.config import DEVICES, DTYPES
+from batchinfer.core.cpu import cpu_flags
 from batchinfer.core.validation import check_choice
 
 # The torch dtype of each name in `core.config.DTYPES` but "auto" (the config is torch-free).
@@ -61,28 +61,3 @@ def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         return False
     return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's instruction-set flags (`flags` on x86, `Features` on Arm, from `cpuinfo`);
-    empty where they cannot be read."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
-
-def cpu_model() -> str:
-    """The CPU's model name (`/proc/cpuinfo`), what measured figures and cached choices quote."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer import native
-from batchinfer.models.hardware import cpu_model
+from batchinfer.core.cpu import cpu_model
 from batchinfer.models.prepack import PackedLinear, prepack_supported
 from batchinfer.native.linear import (
     NativeLinear,

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.files import read_json
 from batchinfer.models.gguf import convert_gguf
 from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
@@ -34,12 +35,6 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     path: Path  # the Hugging Face folder actually loaded (the cache folder for a GGUF)
     name: str  # the model id to show
-
-
-def default_cache_dir() -> Path:
-    """`$BATCHINFER_CACHE`, else `~/.cache/batchinfer`: where converted GGUFs are kept."""
-    env = os.environ.get("BATCHINFER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchinfer"
 
 
 def load_model(

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.models.hardware import cpu_flags, cpu_model
+from batchinfer.core.cpu import cpu_flags, cpu_model
+from batchinfer.core.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,6 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     env = (os.environ.get("BATCHINFER_CACHE"), os.environ.get("HOME"))
     if cache_dir is None and env in _by_env:
         return _by_env[env]
-    from batchinfer.models.loader import default_cache_dir
-
     folder = (cache_dir or default_cache_dir()) / "native"
     key = str(folder)
     with _lock:

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from batchinfer import native
+from batchinfer.core.cpu import cpu_model
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.sampling_params import SamplingParams
-from batchinfer.models.hardware import cpu_model
 from batchinfer.models.linear_kernels import BUCKET_NAMES, KernelLinear, bucket_of
 from batchinfer.models.llama import DecoderLayer, LlamaForCausalLM
 from batchinfer.native.linear import NativeLinear

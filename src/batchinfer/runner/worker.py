@@ -25,12 +25,13 @@ import torch
 from batchinfer.core.block_manager import cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
+from batchinfer.core.paths import default_cache_dir
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.linear_kernels import KernelPlan, set_int8_inputs
 from batchinfer.models.llama import ModelSpec
-from batchinfer.models.loader import LoadedModel, default_cache_dir, load_model
+from batchinfer.models.loader import LoadedModel, load_model
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 

@@ -33,6 +33,7 @@ from batchinfer.batching.config import BatcherConfig
 from batchinfer.batching.embedding_service import ENCODER_BATCHER_CONFIG, EmbeddingConfig
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import SchedulerStats
+from batchinfer.core.paths import default_cache_dir
 from batchinfer.core.validation import check_int, check_non_negative
 from batchinfer.engine.async_llm import AsyncLLM
 from batchinfer.engine.outputs import RequestStats
@@ -136,7 +137,6 @@ class ServerState:
     def open_batch_api(self, app: FastAPI) -> None:
         """Open the Batch API's store and resume the jobs left unfinished; a store held by
         another server leaves the API off (503 with the reason), the rest of the server on."""
-        from batchinfer.models.loader import default_cache_dir
         from batchinfer.server.batches import BatchAPI
 
         root = Path(self.config.batch_dir) if self.config.batch_dir else \

@@ -19,10 +19,10 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.datastructures import UploadFile
 
-from batchinfer.batch.executor import AppClient
 from batchinfer.batch.jobs import BatchManager, parse_window
 from batchinfer.batch.lines import BATCH_URLS
 from batchinfer.batch.store import ACTIVE_STATUSES, BatchStore, new_id
+from batchinfer.server.client import AppClient
 from batchinfer.server.errors import APIError
 
 logger = logging.getLogger(__name__)

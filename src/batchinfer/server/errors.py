@@ -20,24 +20,9 @@ from pydantic import BaseModel, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchinfer.batching.errors import BatcherClosedError, ItemTimeoutError, OverloadedError
+from batchinfer.core.api_errors import error_body, error_type
 
 logger = logging.getLogger(__name__)
-
-# Error `type` per status, in the names vLLM's OpenAI server uses.
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "TimeoutError",
-    413: "RequestTooLargeError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-    504: "TimeoutError",
-}
-
 
 class APIError(Exception):
     """An error with its HTTP status; raise it from a handler and the app renders it."""
@@ -48,14 +33,13 @@ class APIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.type = type or ERROR_TYPES.get(status_code, "APIError")
+        self.type = type or error_type(status_code)
         self.param = param
         self.code = code
         self.headers = dict(headers) if headers else None
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return error_body(self.status_code, self.message, self.type, self.param, self.code)
 
 
 def error_response(status_code: int, message: str, type: str | None = None,
