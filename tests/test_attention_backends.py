@@ -140,7 +140,7 @@ def test_cache_size_layers_and_zeroing(backend: str) -> None:
 
 
 def test_auto_selection_and_names() -> None:
-    assert set(ATTENTION_BACKENDS) == {"auto", "sdpa", "gather", "cpu_sparse"}
+    assert set(ATTENTION_BACKENDS) == {"auto", "sdpa", "gather", "cpu_sparse", "triton"}
     assert select_attention_backend(CPU, torch.float32).name == "cpu_sparse"
     assert select_attention_backend(CPU, torch.bfloat16).name == "gather"
     assert select_attention_backend(torch.device("meta"), torch.float32, "auto").name == "gather"

@@ -20,7 +20,10 @@ Backends (`runner/backends/`), by name:
   workspace and attended by one SDPA call; any device and dtype;
 - `cpu_sparse`: decodes in groups read straight from the cache by a sampled matmul and an
   `embedding_bag`; CPU float32 caches only;
-- `auto`: `cpu_sparse` where it runs, else `gather`.
+- `triton`: Triton kernels (paged decode with split-K, varlen extend, the KV write) reading
+  every KV dtype natively; CUDA (or a CPU under `TRITON_INTERPRET=1`, for tests);
+- `auto`: `triton` on CUDA where Triton is installed, `cpu_sparse` where it runs, else
+  `gather`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from batchinfer.core.config import ATTENTION_BACKENDS
 from batchinfer.runner.backends.cpu_sparse import CpuSparseBackend, supports_cpu_sparse
 from batchinfer.runner.backends.gather import GatherBackend
 from batchinfer.runner.backends.sdpa import SdpaBackend
+from batchinfer.runner.backends.triton import TritonBackend, triton_available
 from batchinfer.runner.input_batch import AttentionMetadata
 from batchinfer.runner.kv_cache import KVCacheSpec
 
@@ -91,16 +95,22 @@ def select_attention_backend(
 ) -> AttentionBackend:
     """The backend called `name` for a cache of `kv_dtype` on `device` (not yet allocated).
 
-    `auto` picks `cpu_sparse` on CPU with a float32 cache, else `gather`. ValueError naming
+    `auto` picks `triton` on CUDA where Triton imports, `cpu_sparse` on CPU with a float32
+    cache, else `gather`. ValueError naming
     `attention_backend` for an unknown name, or `cpu_sparse` where it cannot run. With an FP8
     cache, `calculate_kv_scales` sets each layer's scales from the first step.
     """
     if name == "auto":
-        name = "cpu_sparse" if supports_cpu_sparse(device, kv_dtype) else "gather"
+        if device.type == "cuda" and triton_available():
+            name = "triton"
+        else:
+            name = "cpu_sparse" if supports_cpu_sparse(device, kv_dtype) else "gather"
     if name == "sdpa":
         return SdpaBackend(device, kv_dtype, calculate_kv_scales)
     if name == "gather":
         return GatherBackend(device, kv_dtype, calculate_kv_scales)
     if name == "cpu_sparse":
         return CpuSparseBackend(device, kv_dtype)
+    if name == "triton":
+        return TritonBackend(device, kv_dtype, calculate_kv_scales)
     raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")

@@ -60,15 +60,22 @@ class BackendBase:
         """`k`, `v` as stored in the cache (its dtype; FP8: divided by the layer's scales)."""
         if not self.quantized:
             return k.to(self.kv_dtype), v.to(self.kv_dtype)
+        k_scale, v_scale = self.layer_scales(layer_idx, k, v)
+        top = torch.finfo(self.kv_dtype).max
+        return ((k / k_scale).clamp_(-top, top).to(self.kv_dtype),
+                (v / v_scale).clamp_(-top, top).to(self.kv_dtype))
+
+    def layer_scales(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[float, float]:
+        """The layer's (k_scale, v_scale), calibrated from this step's `k`, `v` when asked to
+        and not yet done (1.0 for caches that are not FP8)."""
         if self.calculate_kv_scales and not self._calibrated[layer_idx]:
             limit = torch.finfo(self.kv_dtype).max * CALIBRATION_HEADROOM
             k_max, v_max = (float(x.abs().amax()) if x.numel() else 0.0 for x in (k, v))
             self.kv_scales[layer_idx] = (max(k_max / limit, 1e-8), max(v_max / limit, 1e-8))
             self._calibrated[layer_idx] = True
-        k_scale, v_scale = self.kv_scales[layer_idx]
-        top = torch.finfo(self.kv_dtype).max
-        return ((k / k_scale).clamp_(-top, top).to(self.kv_dtype),
-                (v / v_scale).clamp_(-top, top).to(self.kv_dtype))
+        return self.kv_scales[layer_idx]
 
     def _cache_shape(
         self, spec: KVCacheSpec, num_blocks: int, block_size: int
