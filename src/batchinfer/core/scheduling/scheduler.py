@@ -49,14 +49,11 @@ from batchinfer.core.outputs import (
     SchedulerStats,
     TokenLogprobs,
 )
-from batchinfer.core.policy import (
-    FCFSQueue,
-    PriorityQueue,
-    WaitingQueue,
-    effective_priority,
-)
+from batchinfer.core.policy import WaitingQueue
 from batchinfer.core.preemption import HostBlockPool, PreemptionCosts
-from batchinfer.core.request import INTERACTIVE_PRIORITY, Request, RequestStatus
+from batchinfer.core.request import Request, RequestStatus
+from batchinfer.core.scheduling.policies import make_policy
+from batchinfer.core.scheduling.victims import preempting_makes_room
 
 # The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
 PREEMPTION_WINDOW_STEPS = 200
@@ -89,13 +86,9 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self._lookup_keys: dict[str, list[BlockKey]] = {}
         self._prompt_keys: dict[str, list[BlockKey]] = {}  # of running prefills
-        self.by_priority = config.scheduling_policy == "priority"
-        self.aging_s = config.priority_aging_ms / 1000.0
-        self.waiting: WaitingQueue = (
-            PriorityQueue(self.aging_s) if self.by_priority else FCFSQueue()
-        )
-        # fcfs: admission order (victims are taken from the end: the latest admitted).
-        # priority: re-sorted each step by `_victim_key`, so victims are again at the end.
+        self.policy = make_policy(config.scheduling_policy, config.priority_aging_ms / 1000.0)
+        self.waiting: WaitingQueue = self.policy.new_queue()
+        # Ordered by the policy each step so that block-shortage victims are taken from the end.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.input_closed = False
@@ -250,11 +243,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         continuous = self.config.batching == "continuous"
         deferred: list[Request] = []
-        defer_for = None
-        if self.by_priority:
-            self.running.sort(key=self._victim_key)
-            if continuous and self.waiting:
-                defer_for = self.waiting.first()
+        self.policy.order_running(self.running, self._num_blocks_held, self._work_left)
+        defer_for = self.waiting.first() if continuous and self.waiting else None
         budget, preempted = self._schedule_running(output, budget, defer_for, deferred)
         if not preempted and continuous:
             budget = self._schedule_waiting(output, budget, now)
@@ -370,26 +360,8 @@ class Scheduler:
         )
 
     # ----------------------------------------------------------------- pressure rules
-    def _rank(self, request: Request, now: float) -> float:
-        """What priority decisions compare: the effective priority (fcfs: all equal)."""
-        if not self.by_priority:
-            return 0.0
-        return effective_priority(request, now, self.aging_s)
-
-    def _victim_key(self, request: Request) -> tuple[int, int, int, float]:
-        """Larger = preempted sooner: lowest priority, then most blocks held, most work left,
-        latest arrival."""
-        held = len(self.block_manager.block_table(request.request_id))
-        return (request.priority, held, self._work_left(request), request.arrival_s)
-
-    @staticmethod
-    def _yields_to(running: Request, waiting: Request) -> bool:
-        """Whether a running request gives way to a waiting one (its prefill chunk is deferred;
-        under block pressure it may be preempted): it has a higher base priority, and it was
-        not admitted at the waiting one's level by aging (that one keeps its place).
-        Requests of one priority never yield to each other, so nothing ping-pongs."""
-        return (running.priority > waiting.priority
-                and running.admitted_rank > waiting.priority)
+    def _num_blocks_held(self, request: Request) -> int:
+        return len(self.block_manager.block_table(request.request_id))
 
     def _output_limit(self, request: Request) -> int:
         """The most output tokens the request may produce (max_tokens, context, KV cap)."""
@@ -456,7 +428,7 @@ class Scheduler:
         if request.num_prompt_tokens + self._work_left(request) <= \
                 self.config.short_request_tokens:
             return True
-        return self.by_priority and self._rank(request, now) <= INTERACTIVE_PRIORITY
+        return self.policy.aged_to_interactive(request, now)
 
     def _committed_blocks(self) -> int:
         """Blocks in use plus those running requests need for the tokens they already have
@@ -620,32 +592,30 @@ class Scheduler:
         if not self.running:
             return True
         limit = self.config.kv_admission_watermark * bm.num_blocks
-        if self.by_priority:
+        if self.policy.watermark_whole_prompt:
             return committed_after <= limit
         return bm.num_used_blocks + needed <= limit
 
     def _preempt_for(
         self, request: Request, take: int, committed: int, whole: int, output: SchedulerOutput
     ) -> int | None:
-        """priority: preempt one running request that yields to the waiting `request`
-        (`_yields_to`), if preempting all of them would make room by `_admissible`'s rules
-        (`take` blocks now; `whole` on top of the `committed` ones under the watermark).
-        Returns the budget it gives back (its tokens scheduled in this step), or None when
-        nothing is preempted."""
-        if not self.by_priority:
-            return None
-        lower = [r for r in self.running if self._yields_to(r, request)]
+        """Preempt one running request that yields to the waiting `request` (by the policy),
+        if preempting all of them would make room by `_admissible`'s rules (`take` blocks now;
+        `whole` on top of the `committed` ones under the watermark). Returns the budget it
+        gives back (its tokens scheduled in this step), or None when nothing is preempted."""
+        lower = [r for r in self.running if self.policy.yields_to(r, request)]
         if not lower:
             return None
         bm = self.block_manager
-        freed = bm.num_freed_by([r.request_id for r in lower])  # blocks only they hold
-        pending = sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in lower)
-        limit = self.config.kv_admission_watermark * bm.num_blocks
-        if take > bm.num_free_blocks + freed or (
-            len(lower) < len(self.running) and committed - freed - pending + whole > limit
+        if not preempting_makes_room(
+            take=take, whole=whole, committed=committed, num_free_blocks=bm.num_free_blocks,
+            num_freed=bm.num_freed_by([r.request_id for r in lower]),  # blocks only they hold
+            num_pending=sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in lower),
+            limit=self.config.kv_admission_watermark * bm.num_blocks,
+            all_yield=len(lower) == len(self.running),
         ):
-            return None  # it would not fit even then: preempt nobody for nothing
-        victim = max(lower, key=self._victim_key)
+            return None
+        victim = self.policy.choose_victim(lower, self._num_blocks_held, self._work_left)
         refund = 0
         for i, seq in enumerate(output.sequences):
             if seq.request_id == victim.request_id:
@@ -659,7 +629,7 @@ class Scheduler:
     def _start(self, request: Request, now: float) -> None:
         request.status = RequestStatus.RUNNING
         request.waited_s += now - request.wait_start_s
-        request.admitted_rank = self._rank(request, now)
+        request.admitted_rank = self.policy.rank(request, now)
         if request.metrics.first_scheduled_s is None:
             request.metrics.first_scheduled_s = now
         self.running.append(request)
@@ -684,7 +654,8 @@ class Scheduler:
                 i += 1  # resumed by a whole-batch admission: it swaps in next step
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            if defer_for is not None and remaining > 1 and self._yields_to(request, defer_for):
+            if (defer_for is not None and remaining > 1
+                    and self.policy.yields_to(request, defer_for)):
                 deferred.append(request)
                 i += 1
                 continue

@@ -1,0 +1,88 @@
+"""Each scheduling rule alone, with hand-built inputs and no Scheduler: the unit that holds a
+rule (docs/scheduling.md, "Where each rule lives") must decide exactly what the rule says."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.core import EngineConfig, Request, SamplingParams
+from batchinfer.core.config import SCHEDULING_POLICIES
+from batchinfer.core.scheduling import victims
+from batchinfer.core.scheduling.policies import POLICIES, make_policy
+
+
+def request(name: str, prompt_len: int = 8, *, priority: int = 0, arrival_s: float = 0.0,
+            max_tokens: int | None = 16, tier: str = "interactive") -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    r = Request(name, list(range(1, prompt_len + 1)), params, arrival_s=arrival_s)
+    r.priority, r.priority_class = priority, tier
+    return r
+
+
+# ----------------------------------------------------------------- policies
+def test_the_config_accepts_exactly_the_registered_policies():
+    assert SCHEDULING_POLICIES == tuple(POLICIES) == ("fcfs", "priority")
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lottery")
+
+
+def test_fcfs_keeps_arrival_order_and_takes_the_latest_admitted_as_victim():
+    fcfs = make_policy("fcfs", aging_s=1.0)
+    queue = fcfs.new_queue()
+    late, early = request("late", priority=0, arrival_s=2.0), request("early", priority=10)
+    for r in (early, late):
+        queue.add(r)
+    assert list(queue) == [early, late]  # priorities are not read
+    running = [early, late]
+    fcfs.order_running(running, held=lambda r: 0, left=lambda r: 0)
+    assert running == [early, late]
+    assert fcfs.choose_victim(running, held=lambda r: 0, left=lambda r: 0) is late
+    assert not fcfs.yields_to(early, late) and not fcfs.aged_to_interactive(early, now=99.0)
+
+
+def test_priority_ranks_by_effective_priority_and_victimises_the_worst():
+    policy = make_policy("priority", aging_s=1.0)
+    batch = request("batch", priority=10, arrival_s=0.0)
+    chat = request("chat", priority=0, arrival_s=5.0)
+    queue = policy.new_queue()
+    queue.add(chat)
+    queue.add(batch)
+    assert list(queue) == [chat, batch]
+    assert policy.rank(batch, now=4.0) == 6.0
+    assert not policy.aged_to_interactive(batch, now=9.9) and policy.aged_to_interactive(batch, 10)
+    held = {"batch": 1, "chat": 9}
+    running = [batch, chat]
+    policy.order_running(running, held=lambda r: held[r.request_id], left=lambda r: 0)
+    assert running == [chat, batch]  # the lowest priority last, blocks held notwithstanding
+    other = request("other", priority=10, arrival_s=1.0)
+    held["other"] = 2
+    assert policy.choose_victim([batch, other], lambda r: held[r.request_id], lambda r: 0) is other
+
+
+# ----------------------------------------------------------------- victims
+def test_a_running_request_yields_only_to_a_better_base_priority_it_was_not_aged_to():
+    chat = request("chat", priority=0)
+    batch = request("batch", priority=10)
+    batch.admitted_rank = 10.0
+    assert victims.yields_to(batch, chat) and not victims.yields_to(chat, batch)
+    batch.admitted_rank = 0.0  # it aged in at the interactive level: it keeps its place
+    assert not victims.yields_to(batch, chat)
+    assert not victims.yields_to(request("a", priority=5), request("b", priority=5))
+
+
+def test_victim_key_orders_priority_then_blocks_then_work_then_arrival():
+    a, b = request("a", priority=10, arrival_s=0.0), request("b", priority=10, arrival_s=1.0)
+    key = victims.priority_victim_key
+    assert key(a, 3, 0) > key(b, 2, 99)  # more blocks held beats more work left
+    assert key(a, 2, 5) > key(b, 2, 4)
+    assert key(b, 2, 4) > key(a, 2, 4)  # then the latest arrival
+    assert key(request("c", priority=11), 0, 0) > key(a, 9, 9)
+
+
+def test_nobody_is_preempted_for_nothing():
+    room = dict(take=2, whole=6, committed=90, num_free_blocks=1, num_freed=1, num_pending=0,
+                limit=95.0, all_yield=False)
+    assert victims.preempting_makes_room(**room)
+    assert not victims.preempting_makes_room(**{**room, "num_freed": 0})  # first chunk won't fit
+    assert not victims.preempting_makes_room(**{**room, "whole": 7})  # past the watermark
+    assert victims.preempting_makes_room(**{**room, "whole": 7, "all_yield": True})  # empties
