@@ -7,6 +7,7 @@ import pytest
 
 from batchinfer.core import EngineConfig, Request, SamplingParams
 from batchinfer.core.config import SCHEDULING_POLICIES
+from batchinfer.core.preemption import KeptKV, PreemptionCosts, fits_swap_in, plan_kept_kv
 from batchinfer.core.scheduling import victims
 from batchinfer.core.scheduling.policies import POLICIES, make_policy
 
@@ -86,3 +87,24 @@ def test_nobody_is_preempted_for_nothing():
     assert not victims.preempting_makes_room(**{**room, "num_freed": 0})  # first chunk won't fit
     assert not victims.preempting_makes_room(**{**room, "whole": 7})  # past the watermark
     assert victims.preempting_makes_room(**{**room, "whole": 7, "all_yield": True})  # empties
+
+
+# ----------------------------------------------------------------- preemption mode
+COSTS = PreemptionCosts(prefill_s_per_token=1e-3, swap_s_per_block=1e-6, swap_fixed_s=2e-2)
+
+
+def test_the_kept_kv_follows_the_mode_the_swap_cap_and_the_costs():
+    # 10 computed tokens in blocks of 4: 3 blocks.
+    assert plan_kept_kv("recompute", 10, 4, 100, 100, None) == KeptKV(0, 0)
+    assert plan_kept_kv("swap", 10, 4, 100, 100, None) == KeptKV(3, 10)
+    assert plan_kept_kv("swap", 10, 4, 100, 2, None) == KeptKV(2, 8)  # the step's cap: rest recomputed
+    assert plan_kept_kv("swap", 10, 4, 1, 100, None) == KeptKV(1, 4)  # the host pool's free blocks
+    assert plan_kept_kv("swap", 0, 4, 100, 100, None).mode == "recompute"
+    # auto: a fixed 20 ms each way is worth it only past 40 tokens of recompute.
+    assert plan_kept_kv("auto", 39, 4, 100, 100, COSTS).mode == "recompute"
+    assert plan_kept_kv("auto", 41, 4, 100, 100, COSTS) == KeptKV(11, 41)
+
+
+def test_a_swap_in_waits_for_a_step_with_room_under_the_cap():
+    assert fits_swap_in(num_copied_in=120, num_blocks=8, max_swap_blocks_per_step=128)
+    assert not fits_swap_in(num_copied_in=121, num_blocks=8, max_swap_blocks_per_step=128)

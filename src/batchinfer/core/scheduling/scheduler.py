@@ -50,7 +50,12 @@ from batchinfer.core.outputs import (
     TokenLogprobs,
 )
 from batchinfer.core.policy import WaitingQueue
-from batchinfer.core.preemption import HostBlockPool, PreemptionCosts
+from batchinfer.core.preemption import (
+    HostBlockPool,
+    PreemptionCosts,
+    fits_swap_in,
+    plan_kept_kv,
+)
 from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.scheduling.policies import make_policy
 from batchinfer.core.scheduling.victims import preempting_makes_room
@@ -734,35 +739,28 @@ class Scheduler:
         self.waiting.requeue(request)
 
     def _keep_kv(self, request: Request) -> str:
-        """Swap a victim's computed blocks out (its leading ones, within this step's swap cap
-        and the free host blocks) or drop them, by `preemption_mode` (`auto`: the cheaper by
-        the measured costs). Returns the mode used; `num_computed_tokens` becomes what was
-        kept."""
+        """Swap a victim's computed blocks out or drop them, by `plan_kept_kv` (the preemption
+        mode, this step's swap cap, the free host blocks, the costs). Returns the mode used;
+        `num_computed_tokens` becomes what was kept."""
         computed = request.num_computed_tokens
-        num_blocks = cdiv(computed, self.block_manager.block_size)
-        n = 0
-        if self.config.preemption_mode != "recompute" and computed:
-            n = min(num_blocks, self.swap_pool.num_free,
-                    self.config.max_swap_blocks_per_step - len(self._swap_out))
-        kept = computed if n == num_blocks else n * self.block_manager.block_size
-        costs = self.preemption_costs
-        if (n and self.config.preemption_mode == "auto" and costs is not None
-                and costs.swap_s(n, computed - kept) >= costs.recompute_s(computed)):
-            n = kept = 0
-        self.recomputed_tokens += computed - kept
-        request.num_computed_tokens = kept
-        if not n:
-            return "recompute"
-        table = self.block_manager.block_table(request.request_id)
-        request.swap_blocks = self.swap_pool.allocate(n)
-        self._swap_out.extend(zip(table[:n], request.swap_blocks, strict=True))
-        self.swapped_out_blocks += n
-        return "swap"
+        plan = plan_kept_kv(self.config.preemption_mode, computed, self.block_manager.block_size,
+                            self.swap_pool.num_free,
+                            self.config.max_swap_blocks_per_step - len(self._swap_out),
+                            self.preemption_costs)
+        n = plan.num_swap_blocks
+        self.recomputed_tokens += computed - plan.num_kept_tokens
+        request.num_computed_tokens = plan.num_kept_tokens
+        if n:
+            table = self.block_manager.block_table(request.request_id)
+            request.swap_blocks = self.swap_pool.allocate(n)
+            self._swap_out.extend(zip(table[:n], request.swap_blocks, strict=True))
+            self.swapped_out_blocks += n
+        return plan.mode
 
     def _swap_in_fits(self, request: Request) -> bool:
         """Whether a swapped-out request's blocks fit in what this step may still copy in."""
         copied = sum(len(pairs) for pairs in self._swap_in.values())
-        return copied + len(request.swap_blocks) <= self.config.max_swap_blocks_per_step
+        return fits_swap_in(copied, len(request.swap_blocks), self.config.max_swap_blocks_per_step)
 
     def _swap_in_to(self, request: Request, table: list[int]) -> None:
         """Resume a swapped-out request into its new blocks: its host blocks are copied into
