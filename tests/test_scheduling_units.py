@@ -9,6 +9,7 @@ from batchinfer.core import EngineConfig, Request, SamplingParams
 from batchinfer.core.config import SCHEDULING_POLICIES
 from batchinfer.core.preemption import KeptKV, PreemptionCosts, fits_swap_in, plan_kept_kv
 from batchinfer.core.scheduling import victims
+from batchinfer.core.scheduling.deadlines import QueueDeadlines
 from batchinfer.core.scheduling.policies import POLICIES, make_policy
 
 
@@ -108,3 +109,21 @@ def test_the_kept_kv_follows_the_mode_the_swap_cap_and_the_costs():
 def test_a_swap_in_waits_for_a_step_with_room_under_the_cap():
     assert fits_swap_in(num_copied_in=120, num_blocks=8, max_swap_blocks_per_step=128)
     assert not fits_swap_in(num_copied_in=121, num_blocks=8, max_swap_blocks_per_step=128)
+
+
+# ----------------------------------------------------------------- queue deadlines
+def test_a_waiting_request_expires_when_its_own_or_the_engine_limit_runs_out():
+    deadlines = QueueDeadlines(max_queue_time_ms=None)
+    plain, own = request("plain"), request("own")
+    own.queue_timeout_s = 2.0
+    assert deadlines.expired([plain, own], now=100.0) == []  # nobody tracked: no scan at all
+    deadlines.track(own)
+    own.waited_s, own.wait_start_s = 1.5, 10.0  # preempted after 1.5 s of waiting, requeued at 10
+    assert deadlines.deadline_s(own) == 10.5 and deadlines.deadline_s(plain) is None
+    assert deadlines.expired([plain, own], now=10.4) == []
+    assert deadlines.expired([plain, own], now=10.5) == [own]
+    assert deadlines.earliest_s([plain, own]) == 10.5
+    deadlines.untrack(own)
+    assert not deadlines.active
+    engine = QueueDeadlines(max_queue_time_ms=500.0)
+    assert engine.expired([plain], now=0.5) == [plain] and engine.expired([plain], 0.49) == []

@@ -57,6 +57,7 @@ from batchinfer.core.preemption import (
     plan_kept_kv,
 )
 from batchinfer.core.request import Request, RequestStatus
+from batchinfer.core.scheduling.deadlines import QueueDeadlines
 from batchinfer.core.scheduling.policies import make_policy
 from batchinfer.core.scheduling.victims import preempting_makes_room
 
@@ -93,6 +94,7 @@ class Scheduler:
         self._prompt_keys: dict[str, list[BlockKey]] = {}  # of running prefills
         self.policy = make_policy(config.scheduling_policy, config.priority_aging_ms / 1000.0)
         self.waiting: WaitingQueue = self.policy.new_queue()
+        self.deadlines = QueueDeadlines(config.max_queue_time_ms)
         # Ordered by the policy each step so that block-shortage victims are taken from the end.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -108,7 +110,6 @@ class Scheduler:
         self._recent_preemptions: deque[int] = deque(maxlen=PREEMPTION_WINDOW_STEPS)
         self._step_preemptions = 0
         self._left_ids: list[str] = []
-        self._num_with_timeout = 0  # requests with their own queue time limit
         # Outputs of requests the scheduler itself ended (queue timeouts), for the next step's.
         self._ended: list[EngineCoreOutput] = []
 
@@ -159,7 +160,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.wait_start_s = self.clock()
         self.requests[request.request_id] = request
-        self._num_with_timeout += request.queue_timeout_s is not None
+        self.deadlines.track(request)
         self.waiting.add(request)
 
     def _check_block_cap(self, request: Request) -> None:
@@ -228,11 +229,11 @@ class Scheduler:
     def next_dispatch_s(self) -> float | None:
         """When something changes for a caller with nothing to run: a waiting batch becomes
         due (dynamic form) or a waiting request's queue time runs out."""
-        times = [self._deadline_s(r) for r in self.waiting] if self._has_deadlines() else []
+        due = [self.deadlines.earliest_s(self.waiting)]
         if self.config.batching == "dynamic" and not self.running and self.waiting:
-            times.append(self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000)
-        due = [t for t in times if t is not None]
-        return min(due) if due else None
+            due.append(self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000)
+        times = [t for t in due if t is not None]
+        return min(times) if times else None
 
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
@@ -381,23 +382,9 @@ class Scheduler:
     def _work_left(self, request: Request) -> int:
         return self._output_limit(request) - request.num_output_tokens
 
-    def _has_deadlines(self) -> bool:
-        return self.config.max_queue_time_ms is not None or self._num_with_timeout > 0
-
-    def _deadline_s(self, request: Request) -> float | None:
-        """When a waiting request's queue time runs out (None: no limit)."""
-        limit_s = request.queue_timeout_s
-        if limit_s is None and self.config.max_queue_time_ms is not None:
-            limit_s = self.config.max_queue_time_ms / 1000.0
-        if limit_s is None:
-            return None
-        return request.wait_start_s + (limit_s - request.waited_s)
-
     def _expire_waiting(self, now: float) -> None:
         """Requests whose queue time ran out leave with a queue_timeout error."""
-        if not self._has_deadlines():
-            return  # the common case: no scan of the queue every step
-        expired = [r for r in self.waiting if (d := self._deadline_s(r)) is not None and now >= d]
+        expired = self.deadlines.expired(self.waiting, now)
         self.waiting.remove_all(expired)  # one pass: under overload thousands leave at once
         for request in expired:
             request.waited_s = waited = request.time_waiting_s(now)
@@ -825,7 +812,7 @@ class Scheduler:
         request.status = status
         request.metrics.finished_s = self.clock()
         del self.requests[request.request_id]
-        self._num_with_timeout -= request.queue_timeout_s is not None
+        self.deadlines.untrack(request)
 
 
 @dataclass(slots=True)
