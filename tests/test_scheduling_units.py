@@ -10,6 +10,7 @@ from batchinfer.core.config import SCHEDULING_POLICIES
 from batchinfer.core.preemption import KeptKV, PreemptionCosts, fits_swap_in, plan_kept_kv
 from batchinfer.core.scheduling import victims
 from batchinfer.core.scheduling.deadlines import QueueDeadlines
+from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import POLICIES, make_policy
 
 
@@ -127,3 +128,23 @@ def test_a_waiting_request_expires_when_its_own_or_the_engine_limit_runs_out():
     assert not deadlines.active
     engine = QueueDeadlines(max_queue_time_ms=500.0)
     assert engine.expired([plain], now=0.5) == [plain] and engine.expired([plain], 0.49) == []
+
+
+# ----------------------------------------------------------------- elastic max_tokens
+def test_elastic_caps_only_uncapped_batch_requests_that_did_not_choose_max_tokens():
+    caps = ElasticCaps(enabled=True, kv_soft_watermark=0.7, elastic_min_tokens=64)
+    assert caps.under_pressure(num_waiting=1, kv_cache_usage=0.71)
+    assert not caps.under_pressure(num_waiting=0, kv_cache_usage=0.99)
+    assert not caps.under_pressure(num_waiting=1, kv_cache_usage=0.7)
+    assert not ElasticCaps(False, 0.7, 64).under_pressure(1, 0.99)
+    long = request("long", max_tokens=None, tier="batch")
+    long.elastic = True
+    assert caps.cap_for(long, output_limit=1000) == 64
+    long.output_token_ids = [1] * 80
+    assert caps.cap_for(long, output_limit=1000) == 81  # never below what it has + 1
+    assert caps.cap_for(long, output_limit=81) is None  # it would not lower the limit
+    chat = request("chat", max_tokens=None)
+    chat.elastic = True
+    assert caps.cap_for(chat, output_limit=1000) is None  # interactive
+    long.elastic = False
+    assert caps.cap_for(long, output_limit=1000) is None  # it chose its max_tokens

@@ -58,6 +58,7 @@ from batchinfer.core.preemption import (
 )
 from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.scheduling.deadlines import QueueDeadlines
+from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import make_policy
 from batchinfer.core.scheduling.victims import preempting_makes_room
 
@@ -95,6 +96,8 @@ class Scheduler:
         self.policy = make_policy(config.scheduling_policy, config.priority_aging_ms / 1000.0)
         self.waiting: WaitingQueue = self.policy.new_queue()
         self.deadlines = QueueDeadlines(config.max_queue_time_ms)
+        self.elastic = ElasticCaps(config.elastic_max_tokens, config.kv_soft_watermark,
+                                   config.elastic_min_tokens)
         # Ordered by the policy each step so that block-shortage victims are taken from the end.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -396,21 +399,13 @@ class Scheduler:
                 QUEUE_TIMEOUT,
             ))
 
-    def _pressure(self) -> bool:
-        soft = self.config.kv_soft_watermark
-        return soft is not None and bool(self.waiting) and self.block_manager.usage > soft
-
     def _apply_elastic_caps(self) -> None:
         """Under pressure, cap batch-class requests that did not choose max_tokens."""
-        if not self.config.elastic_max_tokens or not self._pressure():
+        if not self.elastic.under_pressure(len(self.waiting), self.block_manager.usage):
             return
         for request in self.running:
-            if (not request.elastic or request.priority_class != "batch"
-                    or request.max_tokens_cap is not None):
-                continue
-            cap = max(self.config.elastic_min_tokens, request.num_output_tokens + 1,
-                      request.sampling_params.min_tokens)
-            if cap < self._output_limit(request):
+            cap = self.elastic.cap_for(request, self._output_limit(request))
+            if cap is not None:
                 request.max_tokens_cap = cap
 
     def _soft_exempt(self, request: Request, now: float) -> bool:
