@@ -3,12 +3,17 @@ rule (docs/scheduling.md, "Where each rule lives") must decide exactly what the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from batchinfer.core import EngineConfig, Request, SamplingParams
 from batchinfer.core.config import SCHEDULING_POLICIES
+from batchinfer.core.policy import FCFSQueue
 from batchinfer.core.preemption import KeptKV, PreemptionCosts, fits_swap_in, plan_kept_kv
+from batchinfer.core.request import RequestStatus
 from batchinfer.core.scheduling import victims
+from batchinfer.core.scheduling.admission import Watermarks, admission_size, batch_due
 from batchinfer.core.scheduling.deadlines import QueueDeadlines
 from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import POLICIES, make_policy
@@ -148,3 +153,69 @@ def test_elastic_caps_only_uncapped_batch_requests_that_did_not_choose_max_token
     assert caps.cap_for(chat, output_limit=1000) is None  # interactive
     long.elastic = False
     assert caps.cap_for(long, output_limit=1000) is None  # it chose its max_tokens
+
+
+# ----------------------------------------------------------------- admission
+@dataclass
+class Blocks:
+    num_blocks: int
+    num_free_blocks: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+
+def watermarks(whole_prompt: bool = False, soft: float | None = 0.7) -> Watermarks:
+    return Watermarks(max_num_seqs=4, kv_admission_watermark=0.9, kv_soft_watermark=soft,
+                      short_request_tokens=32, whole_prompt=whole_prompt)
+
+
+def test_admission_needs_a_seat_the_free_blocks_and_the_admission_watermark():
+    fcfs, priority = watermarks(), watermarks(whole_prompt=True)
+    blocks = Blocks(num_blocks=100, num_free_blocks=20)  # 80 used; the watermark is 90
+    assert fcfs.admissible(needed=10, committed_after=200, num_running=1, blocks=blocks)
+    assert not fcfs.admissible(needed=11, committed_after=0, num_running=1, blocks=blocks)
+    assert not fcfs.admissible(needed=1, committed_after=0, num_running=4, blocks=blocks)  # seats
+    assert fcfs.admissible(needed=20, committed_after=0, num_running=0, blocks=blocks)  # empty
+    assert not fcfs.admissible(needed=21, committed_after=0, num_running=0, blocks=blocks)
+    # The whole prompt on top of what running prefills still need, not the first chunk.
+    assert priority.admissible(needed=15, committed_after=90, num_running=1, blocks=blocks)
+    assert not priority.admissible(needed=1, committed_after=91, num_running=1, blocks=blocks)
+
+
+def test_the_soft_watermark_holds_back_all_but_interactive_short_and_aged_requests():
+    rules = watermarks(soft=0.7)
+    assert rules.above_soft(committed_after=71, num_running=1, num_blocks=100)
+    assert not rules.above_soft(committed_after=70, num_running=1, num_blocks=100)
+    assert not rules.above_soft(committed_after=99, num_running=0, num_blocks=100)  # empty
+    assert not watermarks(soft=None).above_soft(99, 1, 100)
+    batch = request("batch", prompt_len=20, tier="batch")
+    assert not rules.soft_exempt(batch, num_tokens_left=13, aged=False)
+    assert rules.soft_exempt(batch, num_tokens_left=12, aged=False)  # 20 + 12: short
+    assert rules.soft_exempt(batch, num_tokens_left=13, aged=True)
+    assert rules.soft_exempt(request("chat", 20), num_tokens_left=500, aged=False)
+
+
+def test_admission_size_counts_the_cached_prefix_and_the_first_chunk():
+    r = request("r", prompt_len=30)  # blocks of 8: 4 blocks in all
+    size = admission_size(r, budget=10, cached=[7, 9], num_reused=1, block_size=8)
+    # The cached 16 tokens are not computed again; the chunk is 10 tokens, to token 26.
+    assert (size.start, size.num_new) == (16, 10)
+    assert size.whole == 4 - 2 + 1 and size.take == 4 - 2 + 1
+    r.swap_blocks, r.num_computed_tokens = [0, 1], 12  # swapped out: its KV comes back
+    size = admission_size(r, budget=100, cached=[], num_reused=0, block_size=8)
+    assert (size.start, size.num_new, size.take) == (12, 18, 4)
+
+
+def test_a_batch_form_starts_when_full_closed_resumed_or_overdue():
+    queue = FCFSQueue()
+    queue.add(request("a", arrival_s=1.0))
+    due = dict(batching="dynamic", input_closed=False, max_batch_delay_ms=50.0)
+    assert batch_due(queue, 1, clock=lambda: 0.0, **due)
+    assert not batch_due(queue, 2, clock=lambda: 1.04, **due)
+    assert batch_due(queue, 2, clock=lambda: 1.05, **due)
+    assert not batch_due(queue, 2, clock=lambda: 9.0, **{**due, "batching": "static"})
+    assert batch_due(queue, 2, clock=lambda: 0.0, **{**due, "input_closed": True})
+    queue.first().status = RequestStatus.PREEMPTED
+    assert batch_due(queue, 2, clock=lambda: 0.0, **{**due, "batching": "static"})

@@ -36,7 +36,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 from batchinfer.core.block_manager import BlockKey, BlockManager, block_keys, cdiv
 from batchinfer.core.config import EngineConfig
@@ -57,6 +56,12 @@ from batchinfer.core.preemption import (
     plan_kept_kv,
 )
 from batchinfer.core.request import Request, RequestStatus
+from batchinfer.core.scheduling.admission import (
+    AdmissionSize,
+    Watermarks,
+    admission_size,
+    batch_due,
+)
 from batchinfer.core.scheduling.deadlines import QueueDeadlines
 from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import make_policy
@@ -95,6 +100,13 @@ class Scheduler:
         self._prompt_keys: dict[str, list[BlockKey]] = {}  # of running prefills
         self.policy = make_policy(config.scheduling_policy, config.priority_aging_ms / 1000.0)
         self.waiting: WaitingQueue = self.policy.new_queue()
+        self.watermarks = Watermarks(
+            max_num_seqs=config.max_num_seqs,
+            kv_admission_watermark=config.kv_admission_watermark,
+            kv_soft_watermark=config.kv_soft_watermark,
+            short_request_tokens=config.short_request_tokens,
+            whole_prompt=self.policy.watermark_whole_prompt,
+        )
         self.deadlines = QueueDeadlines(config.max_queue_time_ms)
         self.elastic = ElasticCaps(config.elastic_max_tokens, config.kv_soft_watermark,
                                    config.elastic_min_tokens)
@@ -408,15 +420,6 @@ class Scheduler:
             if cap is not None:
                 request.max_tokens_cap = cap
 
-    def _soft_exempt(self, request: Request, now: float) -> bool:
-        """Admitted above the soft watermark: interactive, short, or aged to interactive."""
-        if request.priority_class == "interactive":
-            return True
-        if request.num_prompt_tokens + self._work_left(request) <= \
-                self.config.short_request_tokens:
-            return True
-        return self.policy.aged_to_interactive(request, now)
-
     def _committed_blocks(self) -> int:
         """Blocks in use plus those running requests need for the tokens they already have
         (prefills under way): what the soft watermark compares against."""
@@ -430,29 +433,20 @@ class Scheduler:
         if self.config.batching == "continuous" or self.running or not self.waiting:
             return
         size = min(self.config.max_batch_size, self.config.max_num_seqs)
-        if not self._batch_due(size):
+        if not batch_due(self.waiting, size, batching=self.config.batching,
+                         input_closed=self.input_closed,
+                         max_batch_delay_ms=self.config.max_batch_delay_ms, clock=self.clock):
             return
         for _ in range(min(size, len(self.waiting))):
             request = self.waiting.first()
             self.waiting.remove(request)
             self._start(request, now)
 
-    def _batch_due(self, size: int) -> bool:
-        if len(self.waiting) >= size or self.input_closed:
-            return True
-        if any(r.status == RequestStatus.PREEMPTED for r in self.waiting):
-            return True  # a preempted batch member resumes as soon as the machine is free
-        if self.config.batching == "dynamic":
-            due = self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000.0
-            return self.clock() >= due
-        return False
-
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> int:
         """continuous: admit waiting requests in policy order while budget, seats and blocks
         allow. Above the soft watermark, requests it does not exempt are passed over (they
         wait; the ones behind may go) unless nothing runs. Returns the budget left."""
         bm = self.block_manager
-        soft = self.config.kv_soft_watermark
         committed = self._committed_blocks()
         prefilling = self._prefilling_by_first_block()
         for request in list(self.waiting):
@@ -463,11 +457,14 @@ class Scheduler:
             size = self._admission_size(request, budget)
             if self._shares_a_running_prefill(request, size.cached, prefilling):
                 continue  # it waits for that prefill, then takes its blocks from the cache
-            if (soft is not None and self.running
-                    and committed + size.whole > soft * bm.num_blocks
-                    and not self._soft_exempt(request, now)):
+            if (self.watermarks.above_soft(committed + size.whole, len(self.running),
+                                           bm.num_blocks)
+                    and not self.watermarks.soft_exempt(
+                        request, self._work_left(request),
+                        self.policy.aged_to_interactive(request, now))):
                 continue
-            while not self._admissible(size.take, committed + size.whole):
+            while not self.watermarks.admissible(size.take, committed + size.whole,
+                                                 len(self.running), bm):
                 refund = self._preempt_for(request, size.take, committed, size.whole, output)
                 if refund is None:
                     return budget  # in order: nothing behind it jumps a request that waits
@@ -477,7 +474,7 @@ class Scheduler:
             start, num_new = size.start, size.num_new
             bm.share(request.request_id, size.cached)
             table = bm.allocate(request.request_id, start + num_new)
-            if table is None:  # not reached: `_admissible` checked the free blocks
+            if table is None:  # not reached: `admissible` checked the free blocks
                 raise RuntimeError("admission allocated more blocks than were free")
             self.waiting.remove(request)
             self._lookup_keys.pop(request.request_id, None)
@@ -496,21 +493,11 @@ class Scheduler:
                 prefilling.setdefault(keys[0], []).append(request)  # its copies wait for it
         return budget
 
-    def _admission_size(self, request: Request, budget: int) -> _AdmissionSize:
-        """What admitting a waiting request takes now (see `_AdmissionSize`)."""
+    def _admission_size(self, request: Request, budget: int) -> AdmissionSize:
+        """What admitting a waiting request takes now (see `AdmissionSize`)."""
         bm = self.block_manager
         cached = self._cached_prefix(request)
-        reused = bm.num_idle(cached)
-        # Swapped out: its KV comes back into new blocks; else its cached prefix is not computed.
-        start = request.num_computed_tokens if request.swap_blocks else len(cached) * bm.block_size
-        num_new = min(request.num_tokens - start, budget)
-        return _AdmissionSize(
-            cached=cached,
-            whole=cdiv(request.num_tokens, bm.block_size) - len(cached) + reused,
-            start=start,
-            num_new=num_new,
-            take=cdiv(start + num_new, bm.block_size) - len(cached) + reused,
-        )
+        return admission_size(request, budget, cached, bm.num_idle(cached), bm.block_size)
 
     # ----------------------------------------------------------------- prefix cache
     def _cached_prefix(self, request: Request) -> list[int]:
@@ -566,28 +553,11 @@ class Scheduler:
                 return True
         return False
 
-    def _admissible(self, needed: int, committed_after: int) -> bool:
-        """A seat, the free blocks for the first chunk (`needed`), and unless the machine is
-        empty the admission watermark: running requests keep room to grow, so kv-full
-        preemption stays rare. Under `priority` the watermark also holds for the request's
-        whole prompt on top of what running prefills still need (`committed_after`): a request
-        that could only finish its prefill by preempting is not started (no recompute
-        ping-pong between long prompts)."""
-        bm = self.block_manager
-        if len(self.running) >= self.config.max_num_seqs or needed > bm.num_free_blocks:
-            return False
-        if not self.running:
-            return True
-        limit = self.config.kv_admission_watermark * bm.num_blocks
-        if self.policy.watermark_whole_prompt:
-            return committed_after <= limit
-        return bm.num_used_blocks + needed <= limit
-
     def _preempt_for(
         self, request: Request, take: int, committed: int, whole: int, output: SchedulerOutput
     ) -> int | None:
         """Preempt one running request that yields to the waiting `request` (by the policy),
-        if preempting all of them would make room by `_admissible`'s rules (`take` blocks now;
+        if preempting all of them would make room by the admission rules (`take` blocks now;
         `whole` on top of the `committed` ones under the watermark). Returns the budget it
         gives back (its tokens scheduled in this step), or None when nothing is preempted."""
         lower = [r for r in self.running if self.policy.yields_to(r, request)]
@@ -809,15 +779,3 @@ class Scheduler:
         del self.requests[request.request_id]
         self.deadlines.untrack(request)
 
-
-@dataclass(slots=True)
-class _AdmissionSize:
-    """Admitting a waiting request now: the `cached` blocks of its prefix it shares, the blocks
-    its whole known context adds to those in use (`whole`: new ones + cached ones nobody holds),
-    where its first chunk starts and how long it is, and the blocks that chunk adds (`take`)."""
-
-    cached: list[int]
-    whole: int
-    start: int
-    num_new: int
-    take: int
