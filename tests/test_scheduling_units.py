@@ -15,6 +15,7 @@ from batchinfer.core.request import RequestStatus
 from batchinfer.core.scheduling import victims
 from batchinfer.core.scheduling.admission import Watermarks, admission_size, batch_due
 from batchinfer.core.scheduling.deadlines import QueueDeadlines
+from batchinfer.core.scheduling.deferral import deferral_target, is_deferred
 from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import POLICIES, make_policy
 
@@ -219,3 +220,21 @@ def test_a_batch_form_starts_when_full_closed_resumed_or_overdue():
     assert batch_due(queue, 2, clock=lambda: 0.0, **{**due, "input_closed": True})
     queue.first().status = RequestStatus.PREEMPTED
     assert batch_due(queue, 2, clock=lambda: 0.0, **{**due, "batching": "static"})
+
+
+# ----------------------------------------------------------------- deferral
+def test_a_prefill_chunk_waits_for_a_better_waiting_request_a_decode_never_does():
+    priority, fcfs = make_policy("priority", 1.0), make_policy("fcfs", 1.0)
+    queue = priority.new_queue()
+    assert deferral_target(queue, continuous=True) is None
+    chat = request("chat", priority=0)
+    queue.add(chat)
+    assert deferral_target(queue, continuous=False) is None
+    assert deferral_target(queue, continuous=True) is chat
+    batch = request("batch", prompt_len=100, priority=10)
+    batch.admitted_rank, batch.num_computed_tokens = 10.0, 50
+    assert is_deferred(batch, chat, priority)
+    assert not is_deferred(batch, chat, fcfs)  # fcfs: nobody yields
+    assert not is_deferred(batch, None, priority)
+    batch.num_computed_tokens = 99  # one token left: a decode
+    assert not is_deferred(batch, chat, priority)

@@ -63,6 +63,7 @@ from batchinfer.core.scheduling.admission import (
     batch_due,
 )
 from batchinfer.core.scheduling.deadlines import QueueDeadlines
+from batchinfer.core.scheduling.deferral import deferral_target, is_deferred
 from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import make_policy
 from batchinfer.core.scheduling.victims import preempting_makes_room
@@ -265,7 +266,7 @@ class Scheduler:
         continuous = self.config.batching == "continuous"
         deferred: list[Request] = []
         self.policy.order_running(self.running, self._num_blocks_held, self._work_left)
-        defer_for = self.waiting.first() if continuous and self.waiting else None
+        defer_for = deferral_target(self.waiting, continuous)
         budget, preempted = self._schedule_running(output, budget, defer_for, deferred)
         if not preempted and continuous:
             budget = self._schedule_waiting(output, budget, now)
@@ -610,9 +611,7 @@ class Scheduler:
             if request.swap_blocks and not self._swap_in_fits(request):
                 i += 1  # resumed by a whole-batch admission: it swaps in next step
                 continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            if (defer_for is not None and remaining > 1
-                    and self.policy.yields_to(request, defer_for)):
+            if is_deferred(request, defer_for, self.policy):
                 deferred.append(request)
                 i += 1
                 continue
