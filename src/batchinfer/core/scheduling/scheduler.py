@@ -11,24 +11,13 @@ prefill = its next chunk), then admits waiting requests, within the step's token
 - `static`: a whole batch, only when nothing runs, once `max_batch_size` requests wait (a partial
   batch only after `close_input()`: no more requests are coming).
 
-Under pressure (docs/scheduling.md has the rules and their bounds):
-- **policy**: `fcfs` admits in arrival order; `priority` by effective priority (with aging, see
-  `core.policy`), lets a waiting request of higher priority take the step's budget before the
-  prefill chunks of running requests of lower priority, and preempts a running request of lower
-  priority when a waiting one of higher priority finds no seat or block.
-- **queue deadlines**: a request that has waited (in all) longer than its limit leaves the queue
-  with `error_code = QUEUE_TIMEOUT`; it is never started and cut.
-- **soft watermark**: above `kv_soft_watermark` (counting the blocks running prefills still need)
-  only interactive, short or aged-to-interactive requests are admitted; the rest wait.
-- **victims** (a running request needs a block and none is free): fcfs takes the latest admitted;
-  priority takes the lowest priority, then the most blocks held, the most work left, the latest
-  arrival.
-- **elastic max_tokens**: above the soft watermark with requests waiting, batch-class requests
-  that did not choose `max_tokens` get `elastic_min_tokens` (never below what they have + 1).
-- **per-request KV cap**: `max_blocks_per_request`; a request needing more is refused when added.
-- **preemption mode** (`core.preemption`): a victim's KV is dropped and recomputed, or swapped
-  to host blocks (at most `max_swap_blocks_per_step` each way per step) and copied back when it
-  resumes, or whichever is cheaper by the costs measured at start-up (`auto`).
+Under pressure the rules live in units of their own (docs/scheduling.md, "Where each rule
+lives"), each testable without a Scheduler: the policy's order and victims (`policies`,
+`victims`), admission and the watermarks (`admission`), deferred prefill chunks (`deferral`),
+queue deadlines (`deadlines`), elastic max_tokens (`elastic`) and the preemption mode
+(`core.preemption`). This class holds the state they read (the queue, the running set, the
+block manager, the swap pool) and applies what they decide, in the order `schedule()` reads.
+The per-request KV cap (`max_blocks_per_request`) is checked here, when a request is added.
 """
 
 from __future__ import annotations
@@ -253,21 +242,19 @@ class Scheduler:
 
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's sequences and tokens; allocates their KV blocks."""
-        output = SchedulerOutput(finished_request_ids=self._left_ids)
-        self._left_ids = []
-        self._step_preemptions = 0
-        self._swap_out, self._swap_in = [], {}
+        """Pick this step's sequences and tokens; allocates their KV blocks. The rules run in
+        the order of docs/scheduling.md, "The step, in order"."""
+        output = self._begin_step()
         now = self.clock()
         self._expire_waiting(now)
         self._apply_elastic_caps()
         self._admit_batch(now)
-        budget = self.config.max_num_batched_tokens
         continuous = self.config.batching == "continuous"
-        deferred: list[Request] = []
         self.policy.order_running(self.running, self._num_blocks_held, self._work_left)
         defer_for = deferral_target(self.waiting, continuous)
-        budget, preempted = self._schedule_running(output, budget, defer_for, deferred)
+        deferred: list[Request] = []
+        budget, preempted = self._schedule_running(
+            output, self.config.max_num_batched_tokens, defer_for, deferred)
         if not preempted and continuous:
             budget = self._schedule_waiting(output, budget, now)
         self._schedule_deferred(output, budget, deferred)
@@ -275,6 +262,19 @@ class Scheduler:
             # The deferred chunks found no blocks and nothing could be admitted: run them as
             # usual (preempting if need be), so a step never stalls while requests run.
             self._schedule_running(output, self.config.max_num_batched_tokens, None, [])
+        self._end_step(output)
+        return output
+
+    def _begin_step(self) -> SchedulerOutput:
+        """A new step's output, carrying the ids of requests that left since the last one."""
+        output = SchedulerOutput(finished_request_ids=self._left_ids)
+        self._left_ids = []
+        self._step_preemptions = 0
+        self._swap_out, self._swap_in = [], {}
+        return output
+
+    def _end_step(self, output: SchedulerOutput) -> None:
+        """The step's block copies into `output`; the preemption window, if a step runs."""
         output.blocks_to_swap_out = self._swap_out
         output.blocks_to_swap_in = [pair for pairs in self._swap_in.values() for pair in pairs]
         self.swapped_in_blocks += len(output.blocks_to_swap_in)
@@ -284,7 +284,6 @@ class Scheduler:
             output.finished_request_ids = []
         if not output.is_empty:
             self._recent_preemptions.append(self._step_preemptions)
-        return output
 
     def update_from_output(
         self,
