@@ -16,7 +16,7 @@ from batchinfer.core import (
     SamplingParams,
 )
 from batchinfer.core.block_manager import BlockManager, block_keys
-from batchinfer.core.scheduler import Scheduler
+from batchinfer.core.scheduling.scheduler import Scheduler
 from tests.fake_runner import FakeRunner, reference_tokens
 from tests.test_scheduling_pressure import Harness
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from batchinfer.core import EngineConfig, Request, RequestStatus, SamplingParams
-from batchinfer.core.scheduler import Scheduler
+from batchinfer.core.scheduling.scheduler import Scheduler
 from tests.fake_runner import FakeRunner, reference_tokens
 
 
@@ -275,6 +275,6 @@ def test_watermark_holds_back_admission():
 
 
 def test_core_does_not_import_torch():
-    code = "import sys, batchinfer.core, batchinfer.core.scheduler; print('torch' in sys.modules)"
+    code = "import sys, batchinfer.core, batchinfer.core.scheduling.scheduler; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -13,7 +13,7 @@ from batchinfer.core import EngineConfig, Request, SamplingParams
 from batchinfer.core.outputs import QUEUE_TIMEOUT
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.request import SchedulingOptions
-from batchinfer.core.scheduler import Scheduler
+from batchinfer.core.scheduling.scheduler import Scheduler
 from tests.fake_runner import FakeRunner, reference_tokens
 
 

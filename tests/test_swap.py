@@ -12,7 +12,7 @@ import pytest
 
 from batchinfer.core import EngineConfig
 from batchinfer.core.preemption import HostBlockPool, PreemptionCosts
-from batchinfer.core.scheduler import Scheduler
+from batchinfer.core.scheduling.scheduler import Scheduler
 from tests.test_scheduling_pressure import Harness, request
 
 CHEAP_SWAP = PreemptionCosts(prefill_s_per_token=1e-3, swap_s_per_block=1e-5)

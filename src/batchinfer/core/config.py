@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchinfer.core.preemption import PREEMPTION_MODES
+from batchinfer.core.scheduling.policies import POLICIES
 from batchinfer.core.validation import (
     check_bool,
     check_choice,
@@ -19,7 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse", "triton")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = tuple(POLICIES)  # fcfs, priority: one class each in core.scheduling
 QUANTIZATIONS = ("none", "int8", "q8", "q4")
 ENCODER_QUANTIZATIONS = ("none", "int8", "q8")  # an encoder's weights
 PREFILL_ACTIVATIONS = ("int16", "int8")

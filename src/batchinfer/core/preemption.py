@@ -9,6 +9,8 @@ cheaper of the two.
   With the host pool full, it is recomputed.
 - `auto`: per victim, the cheaper by `PreemptionCosts`, measured on the machine at start-up.
 
+`plan_kept_kv` is that rule for one victim; `fits_swap_in` the per-step cap on the way back.
+
 Pure Python: the scheduler decides and records (device block, host block) pairs in the step's
 `SchedulerOutput`; the runner copies them before the step's forward pass.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+from batchinfer.core.block_manager import cdiv
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -49,6 +53,47 @@ class PreemptionCosts:
         return (f"recompute {self.prefill_s_per_token * 1e3:.3f} ms/token, swap "
                 f"{self.swap_s_per_block * 1e3:.3f} ms/block out+in "
                 f"(+{self.swap_fixed_s * 1e3:.3f} ms per copy)")
+
+
+@dataclass(frozen=True, slots=True)
+class KeptKV:
+    """What a victim's KV becomes: its first `num_swap_blocks` computed blocks are swapped out
+    and its first `num_kept_tokens` tokens kept; the rest is recomputed when it resumes."""
+
+    num_swap_blocks: int
+    num_kept_tokens: int
+
+    @property
+    def mode(self) -> str:
+        return "swap" if self.num_swap_blocks else "recompute"
+
+
+def plan_kept_kv(
+    mode: str,
+    num_computed_tokens: int,
+    block_size: int,
+    num_free_host_blocks: int,
+    num_swap_blocks_left: int,
+    costs: PreemptionCosts | None,
+) -> KeptKV:
+    """Swap a victim's computed blocks out (its leading ones, within what this step may still
+    copy out, `num_swap_blocks_left`, and the free host blocks) or drop them, by `mode`
+    (`auto`: the cheaper by the measured `costs`)."""
+    computed = num_computed_tokens
+    num_blocks = cdiv(computed, block_size)
+    n = 0
+    if mode != "recompute" and computed:
+        n = min(num_blocks, num_free_host_blocks, num_swap_blocks_left)
+    kept = computed if n == num_blocks else n * block_size
+    if (n and mode == "auto" and costs is not None
+            and costs.swap_s(n, computed - kept) >= costs.recompute_s(computed)):
+        n = kept = 0
+    return KeptKV(num_swap_blocks=n, num_kept_tokens=kept)
+
+
+def fits_swap_in(num_copied_in: int, num_blocks: int, max_swap_blocks_per_step: int) -> bool:
+    """Whether a swapped-out request's `num_blocks` fit in what this step may still copy in."""
+    return num_copied_in + num_blocks <= max_swap_blocks_per_step
 
 
 class HostBlockPool:

@@ -30,7 +30,7 @@ from batchinfer.core.outputs import (
 )
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.request import Request, RequestStatus
-from batchinfer.core.scheduler import Scheduler
+from batchinfer.core.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from prometheus_client import (
 
 from batchinfer.core.outputs import QUEUE_TIMEOUT, SchedulerStats
 from batchinfer.core.request import PRIORITY_CLASSES
-from batchinfer.core.scheduler import (
+from batchinfer.core.scheduling.scheduler import (
     PREEMPTED_KV,
     PREEMPTION_REASONS,
     PREEMPTION_WINDOW_STEPS,

@@ -11,24 +11,13 @@ prefill = its next chunk), then admits waiting requests, within the step's token
 - `static`: a whole batch, only when nothing runs, once `max_batch_size` requests wait (a partial
   batch only after `close_input()`: no more requests are coming).
 
-Under pressure (docs/scheduling.md has the rules and their bounds):
-- **policy**: `fcfs` admits in arrival order; `priority` by effective priority (with aging, see
-  `core.policy`), lets a waiting request of higher priority take the step's budget before the
-  prefill chunks of running requests of lower priority, and preempts a running request of lower
-  priority when a waiting one of higher priority finds no seat or block.
-- **queue deadlines**: a request that has waited (in all) longer than its limit leaves the queue
-  with `error_code = QUEUE_TIMEOUT`; it is never started and cut.
-- **soft watermark**: above `kv_soft_watermark` (counting the blocks running prefills still need)
-  only interactive, short or aged-to-interactive requests are admitted; the rest wait.
-- **victims** (a running request needs a block and none is free): fcfs takes the latest admitted;
-  priority takes the lowest priority, then the most blocks held, the most work left, the latest
-  arrival.
-- **elastic max_tokens**: above the soft watermark with requests waiting, batch-class requests
-  that did not choose `max_tokens` get `elastic_min_tokens` (never below what they have + 1).
-- **per-request KV cap**: `max_blocks_per_request`; a request needing more is refused when added.
-- **preemption mode** (`core.preemption`): a victim's KV is dropped and recomputed, or swapped
-  to host blocks (at most `max_swap_blocks_per_step` each way per step) and copied back when it
-  resumes, or whichever is cheaper by the costs measured at start-up (`auto`).
+Under pressure the rules live in units of their own (docs/scheduling.md, "Where each rule
+lives"), each testable without a Scheduler: the policy's order and victims (`policies`,
+`victims`), admission and the watermarks (`admission`), deferred prefill chunks (`deferral`),
+queue deadlines (`deadlines`), elastic max_tokens (`elastic`) and the preemption mode
+(`core.preemption`). This class holds the state they read (the queue, the running set, the
+block manager, the swap pool) and applies what they decide, in the order `schedule()` reads.
+The per-request KV cap (`max_blocks_per_request`) is checked here, when a request is added.
 """
 
 from __future__ import annotations
@@ -36,7 +25,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 from batchinfer.core.block_manager import BlockKey, BlockManager, block_keys, cdiv
 from batchinfer.core.config import EngineConfig
@@ -49,14 +37,25 @@ from batchinfer.core.outputs import (
     SchedulerStats,
     TokenLogprobs,
 )
-from batchinfer.core.policy import (
-    FCFSQueue,
-    PriorityQueue,
-    WaitingQueue,
-    effective_priority,
+from batchinfer.core.policy import WaitingQueue
+from batchinfer.core.preemption import (
+    HostBlockPool,
+    PreemptionCosts,
+    fits_swap_in,
+    plan_kept_kv,
 )
-from batchinfer.core.preemption import HostBlockPool, PreemptionCosts
-from batchinfer.core.request import INTERACTIVE_PRIORITY, Request, RequestStatus
+from batchinfer.core.request import Request, RequestStatus
+from batchinfer.core.scheduling.admission import (
+    AdmissionSize,
+    Watermarks,
+    admission_size,
+    batch_due,
+)
+from batchinfer.core.scheduling.deadlines import QueueDeadlines
+from batchinfer.core.scheduling.deferral import deferral_target, is_deferred
+from batchinfer.core.scheduling.elastic import ElasticCaps
+from batchinfer.core.scheduling.policies import make_policy
+from batchinfer.core.scheduling.victims import preempting_makes_room
 
 # The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
 PREEMPTION_WINDOW_STEPS = 200
@@ -89,13 +88,19 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self._lookup_keys: dict[str, list[BlockKey]] = {}
         self._prompt_keys: dict[str, list[BlockKey]] = {}  # of running prefills
-        self.by_priority = config.scheduling_policy == "priority"
-        self.aging_s = config.priority_aging_ms / 1000.0
-        self.waiting: WaitingQueue = (
-            PriorityQueue(self.aging_s) if self.by_priority else FCFSQueue()
+        self.policy = make_policy(config.scheduling_policy, config.priority_aging_ms / 1000.0)
+        self.waiting: WaitingQueue = self.policy.new_queue()
+        self.watermarks = Watermarks(
+            max_num_seqs=config.max_num_seqs,
+            kv_admission_watermark=config.kv_admission_watermark,
+            kv_soft_watermark=config.kv_soft_watermark,
+            short_request_tokens=config.short_request_tokens,
+            whole_prompt=self.policy.watermark_whole_prompt,
         )
-        # fcfs: admission order (victims are taken from the end: the latest admitted).
-        # priority: re-sorted each step by `_victim_key`, so victims are again at the end.
+        self.deadlines = QueueDeadlines(config.max_queue_time_ms)
+        self.elastic = ElasticCaps(config.elastic_max_tokens, config.kv_soft_watermark,
+                                   config.elastic_min_tokens)
+        # Ordered by the policy each step so that block-shortage victims are taken from the end.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.input_closed = False
@@ -110,7 +115,6 @@ class Scheduler:
         self._recent_preemptions: deque[int] = deque(maxlen=PREEMPTION_WINDOW_STEPS)
         self._step_preemptions = 0
         self._left_ids: list[str] = []
-        self._num_with_timeout = 0  # requests with their own queue time limit
         # Outputs of requests the scheduler itself ended (queue timeouts), for the next step's.
         self._ended: list[EngineCoreOutput] = []
 
@@ -161,7 +165,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.wait_start_s = self.clock()
         self.requests[request.request_id] = request
-        self._num_with_timeout += request.queue_timeout_s is not None
+        self.deadlines.track(request)
         self.waiting.add(request)
 
     def _check_block_cap(self, request: Request) -> None:
@@ -230,32 +234,27 @@ class Scheduler:
     def next_dispatch_s(self) -> float | None:
         """When something changes for a caller with nothing to run: a waiting batch becomes
         due (dynamic form) or a waiting request's queue time runs out."""
-        times = [self._deadline_s(r) for r in self.waiting] if self._has_deadlines() else []
+        due = [self.deadlines.earliest_s(self.waiting)]
         if self.config.batching == "dynamic" and not self.running and self.waiting:
-            times.append(self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000)
-        due = [t for t in times if t is not None]
-        return min(due) if due else None
+            due.append(self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000)
+        times = [t for t in due if t is not None]
+        return min(times) if times else None
 
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's sequences and tokens; allocates their KV blocks."""
-        output = SchedulerOutput(finished_request_ids=self._left_ids)
-        self._left_ids = []
-        self._step_preemptions = 0
-        self._swap_out, self._swap_in = [], {}
+        """Pick this step's sequences and tokens; allocates their KV blocks. The rules run in
+        the order of docs/scheduling.md, "The step, in order"."""
+        output = self._begin_step()
         now = self.clock()
         self._expire_waiting(now)
         self._apply_elastic_caps()
         self._admit_batch(now)
-        budget = self.config.max_num_batched_tokens
         continuous = self.config.batching == "continuous"
+        self.policy.order_running(self.running, self._num_blocks_held, self._work_left)
+        defer_for = deferral_target(self.waiting, continuous)
         deferred: list[Request] = []
-        defer_for = None
-        if self.by_priority:
-            self.running.sort(key=self._victim_key)
-            if continuous and self.waiting:
-                defer_for = self.waiting.first()
-        budget, preempted = self._schedule_running(output, budget, defer_for, deferred)
+        budget, preempted = self._schedule_running(
+            output, self.config.max_num_batched_tokens, defer_for, deferred)
         if not preempted and continuous:
             budget = self._schedule_waiting(output, budget, now)
         self._schedule_deferred(output, budget, deferred)
@@ -263,6 +262,19 @@ class Scheduler:
             # The deferred chunks found no blocks and nothing could be admitted: run them as
             # usual (preempting if need be), so a step never stalls while requests run.
             self._schedule_running(output, self.config.max_num_batched_tokens, None, [])
+        self._end_step(output)
+        return output
+
+    def _begin_step(self) -> SchedulerOutput:
+        """A new step's output, carrying the ids of requests that left since the last one."""
+        output = SchedulerOutput(finished_request_ids=self._left_ids)
+        self._left_ids = []
+        self._step_preemptions = 0
+        self._swap_out, self._swap_in = [], {}
+        return output
+
+    def _end_step(self, output: SchedulerOutput) -> None:
+        """The step's block copies into `output`; the preemption window, if a step runs."""
         output.blocks_to_swap_out = self._swap_out
         output.blocks_to_swap_in = [pair for pairs in self._swap_in.values() for pair in pairs]
         self.swapped_in_blocks += len(output.blocks_to_swap_in)
@@ -272,7 +284,6 @@ class Scheduler:
             output.finished_request_ids = []
         if not output.is_empty:
             self._recent_preemptions.append(self._step_preemptions)
-        return output
 
     def update_from_output(
         self,
@@ -370,26 +381,8 @@ class Scheduler:
         )
 
     # ----------------------------------------------------------------- pressure rules
-    def _rank(self, request: Request, now: float) -> float:
-        """What priority decisions compare: the effective priority (fcfs: all equal)."""
-        if not self.by_priority:
-            return 0.0
-        return effective_priority(request, now, self.aging_s)
-
-    def _victim_key(self, request: Request) -> tuple[int, int, int, float]:
-        """Larger = preempted sooner: lowest priority, then most blocks held, most work left,
-        latest arrival."""
-        held = len(self.block_manager.block_table(request.request_id))
-        return (request.priority, held, self._work_left(request), request.arrival_s)
-
-    @staticmethod
-    def _yields_to(running: Request, waiting: Request) -> bool:
-        """Whether a running request gives way to a waiting one (its prefill chunk is deferred;
-        under block pressure it may be preempted): it has a higher base priority, and it was
-        not admitted at the waiting one's level by aging (that one keeps its place).
-        Requests of one priority never yield to each other, so nothing ping-pongs."""
-        return (running.priority > waiting.priority
-                and running.admitted_rank > waiting.priority)
+    def _num_blocks_held(self, request: Request) -> int:
+        return len(self.block_manager.block_table(request.request_id))
 
     def _output_limit(self, request: Request) -> int:
         """The most output tokens the request may produce (max_tokens, context, KV cap)."""
@@ -404,23 +397,9 @@ class Scheduler:
     def _work_left(self, request: Request) -> int:
         return self._output_limit(request) - request.num_output_tokens
 
-    def _has_deadlines(self) -> bool:
-        return self.config.max_queue_time_ms is not None or self._num_with_timeout > 0
-
-    def _deadline_s(self, request: Request) -> float | None:
-        """When a waiting request's queue time runs out (None: no limit)."""
-        limit_s = request.queue_timeout_s
-        if limit_s is None and self.config.max_queue_time_ms is not None:
-            limit_s = self.config.max_queue_time_ms / 1000.0
-        if limit_s is None:
-            return None
-        return request.wait_start_s + (limit_s - request.waited_s)
-
     def _expire_waiting(self, now: float) -> None:
         """Requests whose queue time ran out leave with a queue_timeout error."""
-        if not self._has_deadlines():
-            return  # the common case: no scan of the queue every step
-        expired = [r for r in self.waiting if (d := self._deadline_s(r)) is not None and now >= d]
+        expired = self.deadlines.expired(self.waiting, now)
         self.waiting.remove_all(expired)  # one pass: under overload thousands leave at once
         for request in expired:
             request.waited_s = waited = request.time_waiting_s(now)
@@ -432,31 +411,14 @@ class Scheduler:
                 QUEUE_TIMEOUT,
             ))
 
-    def _pressure(self) -> bool:
-        soft = self.config.kv_soft_watermark
-        return soft is not None and bool(self.waiting) and self.block_manager.usage > soft
-
     def _apply_elastic_caps(self) -> None:
         """Under pressure, cap batch-class requests that did not choose max_tokens."""
-        if not self.config.elastic_max_tokens or not self._pressure():
+        if not self.elastic.under_pressure(len(self.waiting), self.block_manager.usage):
             return
         for request in self.running:
-            if (not request.elastic or request.priority_class != "batch"
-                    or request.max_tokens_cap is not None):
-                continue
-            cap = max(self.config.elastic_min_tokens, request.num_output_tokens + 1,
-                      request.sampling_params.min_tokens)
-            if cap < self._output_limit(request):
+            cap = self.elastic.cap_for(request, self._output_limit(request))
+            if cap is not None:
                 request.max_tokens_cap = cap
-
-    def _soft_exempt(self, request: Request, now: float) -> bool:
-        """Admitted above the soft watermark: interactive, short, or aged to interactive."""
-        if request.priority_class == "interactive":
-            return True
-        if request.num_prompt_tokens + self._work_left(request) <= \
-                self.config.short_request_tokens:
-            return True
-        return self.by_priority and self._rank(request, now) <= INTERACTIVE_PRIORITY
 
     def _committed_blocks(self) -> int:
         """Blocks in use plus those running requests need for the tokens they already have
@@ -471,29 +433,20 @@ class Scheduler:
         if self.config.batching == "continuous" or self.running or not self.waiting:
             return
         size = min(self.config.max_batch_size, self.config.max_num_seqs)
-        if not self._batch_due(size):
+        if not batch_due(self.waiting, size, batching=self.config.batching,
+                         input_closed=self.input_closed,
+                         max_batch_delay_ms=self.config.max_batch_delay_ms, clock=self.clock):
             return
         for _ in range(min(size, len(self.waiting))):
             request = self.waiting.first()
             self.waiting.remove(request)
             self._start(request, now)
 
-    def _batch_due(self, size: int) -> bool:
-        if len(self.waiting) >= size or self.input_closed:
-            return True
-        if any(r.status == RequestStatus.PREEMPTED for r in self.waiting):
-            return True  # a preempted batch member resumes as soon as the machine is free
-        if self.config.batching == "dynamic":
-            due = self.waiting.first().arrival_s + self.config.max_batch_delay_ms / 1000.0
-            return self.clock() >= due
-        return False
-
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> int:
         """continuous: admit waiting requests in policy order while budget, seats and blocks
         allow. Above the soft watermark, requests it does not exempt are passed over (they
         wait; the ones behind may go) unless nothing runs. Returns the budget left."""
         bm = self.block_manager
-        soft = self.config.kv_soft_watermark
         committed = self._committed_blocks()
         prefilling = self._prefilling_by_first_block()
         for request in list(self.waiting):
@@ -504,11 +457,14 @@ class Scheduler:
             size = self._admission_size(request, budget)
             if self._shares_a_running_prefill(request, size.cached, prefilling):
                 continue  # it waits for that prefill, then takes its blocks from the cache
-            if (soft is not None and self.running
-                    and committed + size.whole > soft * bm.num_blocks
-                    and not self._soft_exempt(request, now)):
+            if (self.watermarks.above_soft(committed + size.whole, len(self.running),
+                                           bm.num_blocks)
+                    and not self.watermarks.soft_exempt(
+                        request, self._work_left(request),
+                        self.policy.aged_to_interactive(request, now))):
                 continue
-            while not self._admissible(size.take, committed + size.whole):
+            while not self.watermarks.admissible(size.take, committed + size.whole,
+                                                 len(self.running), bm):
                 refund = self._preempt_for(request, size.take, committed, size.whole, output)
                 if refund is None:
                     return budget  # in order: nothing behind it jumps a request that waits
@@ -518,7 +474,7 @@ class Scheduler:
             start, num_new = size.start, size.num_new
             bm.share(request.request_id, size.cached)
             table = bm.allocate(request.request_id, start + num_new)
-            if table is None:  # not reached: `_admissible` checked the free blocks
+            if table is None:  # not reached: `admissible` checked the free blocks
                 raise RuntimeError("admission allocated more blocks than were free")
             self.waiting.remove(request)
             self._lookup_keys.pop(request.request_id, None)
@@ -537,21 +493,11 @@ class Scheduler:
                 prefilling.setdefault(keys[0], []).append(request)  # its copies wait for it
         return budget
 
-    def _admission_size(self, request: Request, budget: int) -> _AdmissionSize:
-        """What admitting a waiting request takes now (see `_AdmissionSize`)."""
+    def _admission_size(self, request: Request, budget: int) -> AdmissionSize:
+        """What admitting a waiting request takes now (see `AdmissionSize`)."""
         bm = self.block_manager
         cached = self._cached_prefix(request)
-        reused = bm.num_idle(cached)
-        # Swapped out: its KV comes back into new blocks; else its cached prefix is not computed.
-        start = request.num_computed_tokens if request.swap_blocks else len(cached) * bm.block_size
-        num_new = min(request.num_tokens - start, budget)
-        return _AdmissionSize(
-            cached=cached,
-            whole=cdiv(request.num_tokens, bm.block_size) - len(cached) + reused,
-            start=start,
-            num_new=num_new,
-            take=cdiv(start + num_new, bm.block_size) - len(cached) + reused,
-        )
+        return admission_size(request, budget, cached, bm.num_idle(cached), bm.block_size)
 
     # ----------------------------------------------------------------- prefix cache
     def _cached_prefix(self, request: Request) -> list[int]:
@@ -607,45 +553,26 @@ class Scheduler:
                 return True
         return False
 
-    def _admissible(self, needed: int, committed_after: int) -> bool:
-        """A seat, the free blocks for the first chunk (`needed`), and unless the machine is
-        empty the admission watermark: running requests keep room to grow, so kv-full
-        preemption stays rare. Under `priority` the watermark also holds for the request's
-        whole prompt on top of what running prefills still need (`committed_after`): a request
-        that could only finish its prefill by preempting is not started (no recompute
-        ping-pong between long prompts)."""
-        bm = self.block_manager
-        if len(self.running) >= self.config.max_num_seqs or needed > bm.num_free_blocks:
-            return False
-        if not self.running:
-            return True
-        limit = self.config.kv_admission_watermark * bm.num_blocks
-        if self.by_priority:
-            return committed_after <= limit
-        return bm.num_used_blocks + needed <= limit
-
     def _preempt_for(
         self, request: Request, take: int, committed: int, whole: int, output: SchedulerOutput
     ) -> int | None:
-        """priority: preempt one running request that yields to the waiting `request`
-        (`_yields_to`), if preempting all of them would make room by `_admissible`'s rules
-        (`take` blocks now; `whole` on top of the `committed` ones under the watermark).
-        Returns the budget it gives back (its tokens scheduled in this step), or None when
-        nothing is preempted."""
-        if not self.by_priority:
-            return None
-        lower = [r for r in self.running if self._yields_to(r, request)]
+        """Preempt one running request that yields to the waiting `request` (by the policy),
+        if preempting all of them would make room by the admission rules (`take` blocks now;
+        `whole` on top of the `committed` ones under the watermark). Returns the budget it
+        gives back (its tokens scheduled in this step), or None when nothing is preempted."""
+        lower = [r for r in self.running if self.policy.yields_to(r, request)]
         if not lower:
             return None
         bm = self.block_manager
-        freed = bm.num_freed_by([r.request_id for r in lower])  # blocks only they hold
-        pending = sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in lower)
-        limit = self.config.kv_admission_watermark * bm.num_blocks
-        if take > bm.num_free_blocks + freed or (
-            len(lower) < len(self.running) and committed - freed - pending + whole > limit
+        if not preempting_makes_room(
+            take=take, whole=whole, committed=committed, num_free_blocks=bm.num_free_blocks,
+            num_freed=bm.num_freed_by([r.request_id for r in lower]),  # blocks only they hold
+            num_pending=sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in lower),
+            limit=self.config.kv_admission_watermark * bm.num_blocks,
+            all_yield=len(lower) == len(self.running),
         ):
-            return None  # it would not fit even then: preempt nobody for nothing
-        victim = max(lower, key=self._victim_key)
+            return None
+        victim = self.policy.choose_victim(lower, self._num_blocks_held, self._work_left)
         refund = 0
         for i, seq in enumerate(output.sequences):
             if seq.request_id == victim.request_id:
@@ -659,7 +586,7 @@ class Scheduler:
     def _start(self, request: Request, now: float) -> None:
         request.status = RequestStatus.RUNNING
         request.waited_s += now - request.wait_start_s
-        request.admitted_rank = self._rank(request, now)
+        request.admitted_rank = self.policy.rank(request, now)
         if request.metrics.first_scheduled_s is None:
             request.metrics.first_scheduled_s = now
         self.running.append(request)
@@ -683,8 +610,7 @@ class Scheduler:
             if request.swap_blocks and not self._swap_in_fits(request):
                 i += 1  # resumed by a whole-batch admission: it swaps in next step
                 continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            if defer_for is not None and remaining > 1 and self._yields_to(request, defer_for):
+            if is_deferred(request, defer_for, self.policy):
                 deferred.append(request)
                 i += 1
                 continue
@@ -763,35 +689,28 @@ class Scheduler:
         self.waiting.requeue(request)
 
     def _keep_kv(self, request: Request) -> str:
-        """Swap a victim's computed blocks out (its leading ones, within this step's swap cap
-        and the free host blocks) or drop them, by `preemption_mode` (`auto`: the cheaper by
-        the measured costs). Returns the mode used; `num_computed_tokens` becomes what was
-        kept."""
+        """Swap a victim's computed blocks out or drop them, by `plan_kept_kv` (the preemption
+        mode, this step's swap cap, the free host blocks, the costs). Returns the mode used;
+        `num_computed_tokens` becomes what was kept."""
         computed = request.num_computed_tokens
-        num_blocks = cdiv(computed, self.block_manager.block_size)
-        n = 0
-        if self.config.preemption_mode != "recompute" and computed:
-            n = min(num_blocks, self.swap_pool.num_free,
-                    self.config.max_swap_blocks_per_step - len(self._swap_out))
-        kept = computed if n == num_blocks else n * self.block_manager.block_size
-        costs = self.preemption_costs
-        if (n and self.config.preemption_mode == "auto" and costs is not None
-                and costs.swap_s(n, computed - kept) >= costs.recompute_s(computed)):
-            n = kept = 0
-        self.recomputed_tokens += computed - kept
-        request.num_computed_tokens = kept
-        if not n:
-            return "recompute"
-        table = self.block_manager.block_table(request.request_id)
-        request.swap_blocks = self.swap_pool.allocate(n)
-        self._swap_out.extend(zip(table[:n], request.swap_blocks, strict=True))
-        self.swapped_out_blocks += n
-        return "swap"
+        plan = plan_kept_kv(self.config.preemption_mode, computed, self.block_manager.block_size,
+                            self.swap_pool.num_free,
+                            self.config.max_swap_blocks_per_step - len(self._swap_out),
+                            self.preemption_costs)
+        n = plan.num_swap_blocks
+        self.recomputed_tokens += computed - plan.num_kept_tokens
+        request.num_computed_tokens = plan.num_kept_tokens
+        if n:
+            table = self.block_manager.block_table(request.request_id)
+            request.swap_blocks = self.swap_pool.allocate(n)
+            self._swap_out.extend(zip(table[:n], request.swap_blocks, strict=True))
+            self.swapped_out_blocks += n
+        return plan.mode
 
     def _swap_in_fits(self, request: Request) -> bool:
         """Whether a swapped-out request's blocks fit in what this step may still copy in."""
         copied = sum(len(pairs) for pairs in self._swap_in.values())
-        return copied + len(request.swap_blocks) <= self.config.max_swap_blocks_per_step
+        return fits_swap_in(copied, len(request.swap_blocks), self.config.max_swap_blocks_per_step)
 
     def _swap_in_to(self, request: Request, table: list[int]) -> None:
         """Resume a swapped-out request into its new blocks: its host blocks are copied into
@@ -856,17 +775,5 @@ class Scheduler:
         request.status = status
         request.metrics.finished_s = self.clock()
         del self.requests[request.request_id]
-        self._num_with_timeout -= request.queue_timeout_s is not None
+        self.deadlines.untrack(request)
 
-
-@dataclass(slots=True)
-class _AdmissionSize:
-    """Admitting a waiting request now: the `cached` blocks of its prefix it shares, the blocks
-    its whole known context adds to those in use (`whole`: new ones + cached ones nobody holds),
-    where its first chunk starts and how long it is, and the blocks that chunk adds (`take`)."""
-
-    cached: list[int]
-    whole: int
-    start: int
-    num_new: int
-    take: int
