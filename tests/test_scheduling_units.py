@@ -238,3 +238,28 @@ def test_a_prefill_chunk_waits_for_a_better_waiting_request_a_decode_never_does(
     assert not is_deferred(batch, None, priority)
     batch.num_computed_tokens = 99  # one token left: a decode
     assert not is_deferred(batch, chat, priority)
+
+
+# ----------------------------------------------------------------- prefix sharing
+def test_a_copy_waits_for_the_running_prefill_of_its_prompt_then_finds_it_cached():
+    from batchinfer.core.block_manager import BlockManager
+    from batchinfer.core.scheduling.prefix_sharing import PrefixSharing
+
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    sharing = PrefixSharing(bm)
+    first, copy, other = request("a", 13), request("b", 13), request("c", 13)
+    other.prompt_token_ids[:] = other.all_token_ids[:] = [9] * 13
+    prefilling: dict = {}
+    assert sharing.cached_prefix(first) == []
+    bm.allocate("a", 13)
+    sharing.admitted(first, prefilling)  # its prefill runs: 13 tokens, 3 full blocks to come
+    assert sharing.cached_prefix(copy) == [] and sharing.cached_prefix(other) == []
+    assert sharing.waits_for_a_running_prefill(copy, [], prefilling)
+    assert not sharing.waits_for_a_running_prefill(other, [], prefilling)  # another prompt
+    first.num_computed_tokens = 12  # its first 3 blocks are computed and cached
+    bm.cache_blocks("a", first.all_token_ids, 12)
+    assert not sharing.waits_for_a_running_prefill(copy, [], prefilling)
+    assert len(sharing.cached_prefix(copy)) == 3
+    # Without prefix caching nobody waits and nothing is cached.
+    plain = PrefixSharing(BlockManager(num_blocks=16, block_size=4))
+    assert plain.prefilling_by_first_block([first]) == {} and plain.cached_prefix(copy) == []

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 
-from batchinfer.core.block_manager import BlockKey, BlockManager, block_keys, cdiv
+from batchinfer.core.block_manager import BlockManager, cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import (
     QUEUE_TIMEOUT,
@@ -55,6 +55,7 @@ from batchinfer.core.scheduling.deadlines import QueueDeadlines
 from batchinfer.core.scheduling.deferral import deferral_target, is_deferred
 from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import make_policy
+from batchinfer.core.scheduling.prefix_sharing import PrefixSharing
 from batchinfer.core.scheduling.victims import preempting_makes_room
 
 # The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
@@ -86,8 +87,7 @@ class Scheduler:
         # block keys of waiting requests (their tokens do not change while they wait).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._lookup_keys: dict[str, list[BlockKey]] = {}
-        self._prompt_keys: dict[str, list[BlockKey]] = {}  # of running prefills
+        self.prefix_sharing = PrefixSharing(self.block_manager)
         self.policy = make_policy(config.scheduling_policy, config.priority_aging_ms / 1000.0)
         self.waiting: WaitingQueue = self.policy.new_queue()
         self.watermarks = Watermarks(
@@ -448,14 +448,14 @@ class Scheduler:
         wait; the ones behind may go) unless nothing runs. Returns the budget left."""
         bm = self.block_manager
         committed = self._committed_blocks()
-        prefilling = self._prefilling_by_first_block()
+        prefilling = self.prefix_sharing.prefilling_by_first_block(self.running)
         for request in list(self.waiting):
             if budget <= 0:
                 break
             if request.swap_blocks and not self._swap_in_fits(request):
                 return budget  # in order: it resumes next step, within the swap cap
             size = self._admission_size(request, budget)
-            if self._shares_a_running_prefill(request, size.cached, prefilling):
+            if self.prefix_sharing.waits_for_a_running_prefill(request, size.cached, prefilling):
                 continue  # it waits for that prefill, then takes its blocks from the cache
             if (self.watermarks.above_soft(committed + size.whole, len(self.running),
                                            bm.num_blocks)
@@ -477,7 +477,7 @@ class Scheduler:
             if table is None:  # not reached: `admissible` checked the free blocks
                 raise RuntimeError("admission allocated more blocks than were free")
             self.waiting.remove(request)
-            self._lookup_keys.pop(request.request_id, None)
+            self.prefix_sharing.admitted(request, prefilling)
             if request.swap_blocks:
                 self._swap_in_to(request, table)
             else:
@@ -488,70 +488,13 @@ class Scheduler:
             output.sequences.append(self._sequence(request, num_new, table))
             budget -= num_new
             committed += size.whole
-            if bm.enable_prefix_caching and request.num_prompt_tokens > bm.block_size:
-                keys = self._prompt_keys_of(request)
-                prefilling.setdefault(keys[0], []).append(request)  # its copies wait for it
         return budget
 
     def _admission_size(self, request: Request, budget: int) -> AdmissionSize:
         """What admitting a waiting request takes now (see `AdmissionSize`)."""
         bm = self.block_manager
-        cached = self._cached_prefix(request)
+        cached = self.prefix_sharing.cached_prefix(request)
         return admission_size(request, budget, cached, bm.num_idle(cached), bm.block_size)
-
-    # ----------------------------------------------------------------- prefix cache
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """The cached blocks of a waiting request's longest cached prefix (none unless prefix
-        caching is on, none for a swapped-out request). Its block keys are computed once while
-        it waits."""
-        bm = self.block_manager
-        if not bm.enable_prefix_caching or request.swap_blocks:
-            return []
-        keys = self._lookup_keys.get(request.request_id)
-        if keys is None:
-            tokens = request.all_token_ids
-            keys = block_keys(tokens[: len(tokens) - 1], bm.block_size)
-            self._lookup_keys[request.request_id] = keys
-        return bm.cached_blocks(keys)
-
-    def _prompt_keys_of(self, request: Request) -> list[BlockKey]:
-        """The block keys of a running request's prompt (computed once)."""
-        keys = self._prompt_keys.get(request.request_id)
-        if keys is None:
-            keys = block_keys(request.prompt_token_ids, self.block_manager.block_size)
-            self._prompt_keys[request.request_id] = keys
-        return keys
-
-    def _prefilling_by_first_block(self) -> dict[BlockKey, list[Request]]:
-        """Running requests whose prompt prefill is under way, by their first block's key."""
-        if not self.block_manager.enable_prefix_caching:
-            return {}
-        size = self.block_manager.block_size
-        out: dict[BlockKey, list[Request]] = {}
-        for r in self.running:
-            if r.num_computed_tokens < r.num_prompt_tokens and r.num_prompt_tokens > size:
-                out.setdefault(self._prompt_keys_of(r)[0], []).append(r)
-        return out
-
-    def _shares_a_running_prefill(
-        self, request: Request, cached: list[int], prefilling: dict[BlockKey, list[Request]]
-    ) -> bool:
-        """Whether a running request is still computing blocks this one would find cached once
-        that prefill is done (the `n` sequences of one prompt, requests with one system
-        prompt): it is better to wait a step or two than to compute them twice."""
-        keys = self._lookup_keys.get(request.request_id)
-        if not prefilling or not keys or request.num_computed_tokens:
-            return False
-        size = self.block_manager.block_size
-        for other in prefilling.get(keys[0], ()):
-            shared = 0
-            for mine, theirs in zip(keys, self._prompt_keys_of(other), strict=False):
-                if mine != theirs:
-                    break
-                shared += 1
-            if shared > len(cached) and other.num_computed_tokens < shared * size:
-                return True
-        return False
 
     def _preempt_for(
         self, request: Request, take: int, committed: int, whole: int, output: SchedulerOutput
@@ -769,8 +712,7 @@ class Scheduler:
         if request.swap_blocks:  # ended while swapped out
             self.swap_pool.free(request.swap_blocks)
             request.swap_blocks = []
-        self._lookup_keys.pop(request.request_id, None)
-        self._prompt_keys.pop(request.request_id, None)
+        self.prefix_sharing.forget(request.request_id)
         self._left_ids.append(request.request_id)
         request.status = status
         request.metrics.finished_s = self.clock()
