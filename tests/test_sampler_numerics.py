@@ -35,7 +35,7 @@ sampling_params = st.builds(
     repetition_penalty=st.one_of(
         st.just(1.0), st.sampled_from([1e-300, 1e-40, 1e-9, 1e9, 1e300]),
         st.floats(min_value=1e-3, max_value=10.0)),
-    seed=st.one_of(st.none(), st.integers(min_value=-(2**63), max_value=2**64 - 1)),
+    seed=st.one_of(st.none(), st.integers(min_value=-(2**63), max_value=2**63 - 1)),
     logprobs=st.one_of(st.none(), st.integers(min_value=0, max_value=20)),
     min_tokens=st.integers(min_value=0, max_value=3),
     max_tokens=st.just(16),
