@@ -61,6 +61,13 @@ SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(READY_S),
 # Workers at normal priority, as `connect` starts them: at Ray's default nice 15 any other
 # work on the machine starves them.
 SLOW_MACHINE_SYSTEM = {"worker_niceness": 0}
+# The engines a test compares (on Ray and local) answer alike only if they compute alike: one
+# torch thread each, as the actors get from their half CPU. The kernels are picked by timing at
+# start-up and the pick is kept per thread count, so engines of one thread count read the
+# same pick; engines of others may time (on a busy machine, differently) into other kernels,
+# whose rounding can part a long greedy answer from the reference on one token.
+SAME_MATH = {"num_threads": 1}
+SAME_MATH_FLAGS = ["--num-threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +135,7 @@ def deployed(cluster: dict[str, str], model: Path, routing: str = "default",
              num_replicas: int = 2, max_num_seqs: int = 4, server: ServerConfig | None = None
              ) -> Iterator[EngineConfig]:
     config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=max_num_seqs,
-                                      kv_cache_memory="16M", seed=0)
+                                      kv_cache_memory="16M", seed=0, **SAME_MATH)
     app = build_application(config, server or ServerConfig(), RayServeConfig(
         num_replicas=num_replicas, cpus_per_replica=0.5, routing=routing,
         metrics_interval_s=0.5, health_check_timeout_s=READY_S))
@@ -332,7 +339,7 @@ def test_run_batch_ray_writes_what_run_batch_writes(cluster: dict[str, str], mod
                                                     tmp_path: Path) -> None:
     source = lines_file(tmp_path / "in.jsonl", 30)
     flags = ["-i", str(source), "--model", str(model), "--no-progress", "--max-num-seqs", "4",
-             "--dtype", "float32", "--kv-cache-memory", "16M"]
+             "--dtype", "float32", "--kv-cache-memory", "16M", *SAME_MATH_FLAGS]
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert main(["run-batch", "-o", str(local), *flags]) == 0
     assert main(["run-batch", "--ray", "--num-replicas", "2", "--ray-cpus-per-replica", "0.5",
@@ -462,11 +469,11 @@ def test_a_killed_ray_data_actor_has_its_batch_retried(cluster: dict[str, str], 
     # take a fraction of a millisecond natively: 40 lines could finish before it).
     source = lines_file(tmp_path / "in.jsonl", 120, tokens=150)
     config = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=2,
-                                      kv_cache_memory="16M", seed=0)
+                                      kv_cache_memory="16M", seed=0, **SAME_MATH)
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert main(["run-batch", "-i", str(source), "-o", str(local), "--model", str(model),
                  "--no-progress", "--max-num-seqs", "2", "--dtype", "float32",
-                 "--kv-cache-memory", "16M"]) == 0
+                 "--kv-cache-memory", "16M", *SAME_MATH_FLAGS]) == 0
     from ray._private import state
 
     def workers() -> list[int]:
