@@ -194,7 +194,7 @@ def serve_in_thread(app: FastAPI, **uvicorn_options: Any) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not server.started:  # polled: a thread's progress has no event to await
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")

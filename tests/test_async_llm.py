@@ -51,7 +51,7 @@ def joined(outputs, index: int = 0) -> tuple[str, list[int]]:
     return "".join(c.text for c in parts), [t for c in parts for t in c.token_ids]
 
 
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+async def wait_until(predicate, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

@@ -1,6 +1,7 @@
 """The Batch API over real HTTP with the official `openai` client: upload, create, poll,
 results matched by custom_id, bad lines in the error file, duplicate custom_ids, cancel,
-per-key ownership, pagination, and a server SIGKILLed mid-batch that resumes on restart."""
+per-key ownership, pagination, and a server SIGKILLed or SIGTERMed mid-batch that resumes on
+restart, each line answered and run once."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def submit(api: openai.OpenAI, lines: list[str], **kwargs):
 
 
 def wait_status(api: openai.OpenAI, batch_id: str, statuses: tuple[str, ...],
-                timeout_s: float = 60.0):
+                timeout_s: float = 120.0):
     deadline = time.monotonic() + timeout_s
     while True:
         batch = api.batches.retrieve(batch_id)
@@ -69,7 +70,8 @@ def wait_status(api: openai.OpenAI, batch_id: str, statuses: tuple[str, ...],
 def rows(api: openai.OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
-    return [json.loads(x) for x in api.files.content(file_id).text.splitlines()]
+    # Split at "\n" only: answers keep characters such as U+2028 raw, which splitlines() cuts.
+    return [json.loads(x) for x in api.files.content(file_id).text.split("\n")[:-1]]
 
 
 def test_batch_end_to_end(server) -> None:
@@ -128,8 +130,7 @@ def test_cancel_mid_run_keeps_what_finished(server) -> None:
     slow_steps(app, 0.02)
     try:
         batch = submit(api, [line(f"c{i}", max_tokens=24) for i in range(40)])
-        wait_for(lambda: api.batches.retrieve(batch.id).request_counts.completed >= 2,
-                 timeout_s=60)
+        wait_for(lambda: api.batches.retrieve(batch.id).request_counts.completed >= 2)
         cancelling = api.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
         done = wait_status(api, batch.id, ("cancelled",))
@@ -138,7 +139,7 @@ def test_cancel_mid_run_keeps_what_finished(server) -> None:
     assert 2 <= done.request_counts.completed < 40
     assert done.cancelling_at and done.cancelled_at >= done.cancelling_at
     assert len(rows(api, done.output_file_id)) == done.request_counts.completed
-    wait_for(lambda: engine.num_unfinished_requests == 0, timeout_s=10)  # in-flight aborted
+    wait_for(lambda: engine.num_unfinished_requests == 0)  # in-flight aborted
     with pytest.raises(openai.ConflictError):
         api.batches.cancel(batch.id)
 
@@ -194,11 +195,31 @@ def test_bad_requests_get_openai_errors(server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
 
 
+# A job's lines answer in input order, at most --batch-max-in-flight (2) at once: while line
+# HOLD runs its LONG tokens, the output holds exactly the HOLD answers before it (the next
+# line's answer waits behind it, the one after cannot start). A stop seen there lands mid-job.
+HOLD, LONG = 5, 480
+
+
+def complete_lines(path: Path) -> list[dict]:
+    """The answers in `path` that are whole lines (a kill may cut the last one short)."""
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").split("\n")[:-1]]
+
+
+def batch_lines_run(url: str) -> float:
+    """Batch-class requests the server at `url` ran to the end since it started."""
+    return metric(url, 'batchinfer_e2e_request_latency_seconds_count{priority_class="batch"}')
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
 def test_stopped_mid_batch_then_restart_resumes(model_dir: str, tmp_path: Path,
                                                 how: signal.Signals) -> None:
     """SIGKILL loses nothing written; SIGTERM stops the job first (its running lines are
-    not written) and exits; either way the next start finishes the batch, each line once."""
+    not written) and exits; either way a server started on the same directory finishes the
+    job: each line answered once, the answers written before the stop kept as they were, and
+    only the lines not written run again."""
     batch_dir = tmp_path / "batches"
 
     def start() -> tuple[subprocess.Popen, str]:
@@ -209,31 +230,36 @@ def test_stopped_mid_batch_then_restart_resumes(model_dir: str, tmp_path: Path,
              "--max-num-seqs", "2", "--batch-dir", str(batch_dir), "--batch-max-in-flight",
              "2"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _healthy(url) or process.poll() is not None, timeout_s=120)
+        wait_for(lambda: _healthy(url) or process.poll() is not None, timeout_s=180)
         assert process.poll() is None
         return process, url
 
+    lines = [line(f"k{i}", max_tokens=LONG if i == HOLD else 4) for i in range(40)]
+    lines.insert(2, "{broken")  # answered in the error file, without a custom_id
     process, url = start()
     try:
         api = client(url)
-        batch = submit(api, [line(f"k{i}", max_tokens=16) for i in range(40)])
+        batch = submit(api, lines)
         output = batch_dir / "batches" / batch.id / "output.jsonl"
-        wait_for(lambda: output.exists() and len(output.read_text().splitlines()) >= 4,
-                 timeout_s=60)
+        wait_for(lambda: len(complete_lines(output)) >= HOLD, timeout_s=180)
         os.kill(process.pid, how)
         assert process.wait(60) is not None
-        kept = [json.loads(x) for x in output.read_text().splitlines()]
-        assert 4 <= len(kept) < 40
+        kept = complete_lines(output)  # what the job had written when it stopped
+        assert HOLD <= len(kept) < 40, "the stop came after the job had finished"
         process, url = start()
         api = client(url)
-        done = wait_status(api, batch.id, ("completed",), timeout_s=120)
-        final = rows(api, done.output_file_id)
+        done = wait_status(api, batch.id, ("completed",), timeout_s=300)
+        final, errors = rows(api, done.output_file_id), rows(api, done.error_file_id)
+        run_again = batch_lines_run(url)
     finally:
         process.kill()
         process.wait(30)
-    assert done.request_counts.completed == 40 and done.request_counts.failed == 0
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (41, 40, 1)
     assert [r["custom_id"] for r in final] == [f"k{i}" for i in range(40)]  # each once
-    assert final[:len(kept)] == kept  # nothing finished before the kill was redone
+    assert [r["custom_id"] for r in errors] == [None]
+    assert final[:len(kept)] == kept  # the answers written before the stop, as they were
+    assert run_again == 40 - len(kept)  # and none of their lines ran again
 
 
 def _healthy(url: str) -> bool:
@@ -255,7 +281,7 @@ def test_expired_window_answers_the_rest_with_batch_expired(server) -> None:
             purpose="batch")
         batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                    completion_window="2s")
-        done = wait_status(api, batch.id, ("expired", "completed"), timeout_s=60)
+        done = wait_status(api, batch.id, ("expired", "completed"))
     finally:
         runner.execute = execute
     assert done.status == "expired" and done.expired_at

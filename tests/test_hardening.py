@@ -52,7 +52,7 @@ def post(url: str, path: str, body: str | dict, headers: dict | None = None) -> 
     return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=60)
 
 
-def until(condition, timeout_s: float = 20.0) -> None:
+def until(condition, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:

@@ -1,10 +1,12 @@
 """`batchinfer run-batch` on a tiny model: OpenAI's output format in input order, per-line
-parameters, bad lines answered alone, duplicate custom_ids refused, resume after a kill."""
+parameters, bad lines answered alone, duplicate custom_ids refused, a run killed mid-way and
+rerun equal to an uninterrupted one."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +32,9 @@ def request(custom_id: str, url: str = "/v1/completions", **body: object) -> str
 
 
 def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The answers in `path`, each a whole line: split at "\\n" only (answers keep characters
+    such as U+2028 raw, which splitlines() cuts), a last line cut short by a kill left out."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")[:-1]]
 
 
 def flags(model: Path) -> list[str]:
@@ -79,41 +83,74 @@ def test_duplicate_custom_id_refused_before_any_work(tmp_path: Path, model: Path
     assert not target.exists()
 
 
-def test_resume_after_a_kill_skips_answered_lines(tmp_path: Path, model: Path) -> None:
-    lines = [request(f"r{i}", max_tokens=12, temperature=0, ignore_eos=True)
-             for i in range(40)]
+# Answers are written in input order, at most --max-in-flight (2) lines at once: while line
+# HOLD runs its LONG tokens, the output holds exactly the HOLD answers before it (the next
+# line's answer waits behind it, the one after cannot start). A kill seen there lands mid-run.
+HOLD, LONG = 6, 480
+
+
+def content(row: dict) -> tuple:
+    """What an answer says, without what differs from run to run (ids, timestamps)."""
+    response = row["response"]
+    body = response["body"]
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in ("id", "created")}
+    return row["custom_id"], response["status_code"], json.dumps(body, sort_keys=True)
+
+
+def summary(err: str) -> tuple[int, int, int, int]:
+    """(lines, already answered, completed, failed) from run-batch's last line on stderr."""
+    found = re.search(r"run-batch: (\d+) lines, (\d+) already answered, (\d+) completed, "
+                      r"(\d+) failed", err)
+    assert found, err
+    return int(found[1]), int(found[2]), int(found[3]), int(found[4])
+
+
+def test_a_run_killed_mid_way_then_rerun_equals_an_uninterrupted_run(
+        tmp_path: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGKILL mid-run, then the same command again: the output equals an uninterrupted
+    run's line for line (same custom_ids in input order, each once, same greedy answers);
+    the answers written before the kill stay as they were and their lines do not run again."""
+    lines = [request(f"r{i}", max_tokens=LONG if i == HOLD else 2 + i % 5, temperature=0,
+                     ignore_eos=True) for i in range(40)]
     lines.insert(3, "[1, 2]")  # a line without custom_id must not be answered twice
+    lines.append(request("chat", url="/v1/chat/completions", max_tokens=3, temperature=0,
+                         messages=[{"role": "user", "content": "hi"}]))
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    command = [sys.executable, "-m", "batchinfer.cli.main", "run-batch", "-i", str(source),
-               "-o", str(target), "--max-in-flight", "2", *flags(model),
-               "--max-num-seqs", "2"]
-    process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    same = [*flags(model), "--max-num-seqs", "2"]
+    run = ["run-batch", "-i", str(source), "-o", str(target), "--max-in-flight", "2", *same]
+    process = subprocess.Popen([sys.executable, "-m", "batchinfer.cli.main", *run],
+                               stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not (target.exists() and len(target.read_text().splitlines()) >= 6):
+        deadline = time.monotonic() + 180
+        while not (target.exists() and len(read(target)) >= HOLD + 1):  # "[1, 2]" included
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
         os.kill(process.pid, signal.SIGKILL)
     finally:
         process.wait(30)
-    first = read(target)
-    assert 6 <= len(first) < len(lines)
+    kept = read(target)
+    assert HOLD + 1 <= len(kept) < len(lines), "the kill came after the run had finished"
     with open(target, "a") as f:  # as if the kill landed mid-write
         f.write('{"id": "batch_req_x", "custom_')
-    assert main(["run-batch", "-i", str(source), "-o", str(target), *flags(model)]) == 0
+    capsys.readouterr()
+    assert main(run) == 0
+    num_lines, skipped, completed, failed = summary(capsys.readouterr().err)
+    assert (num_lines, skipped) == (len(lines), len(kept))
+    assert completed + failed == len(lines) - len(kept)  # only the lines not written ran
     rows = read(target)
+    assert rows[:len(kept)] == kept
+    fresh = tmp_path / "fresh.jsonl"
+    assert main(["run-batch", "-i", str(source), "-o", str(fresh), "--max-in-flight", "2",
+                 *same]) == 0
+    assert [content(r) for r in rows] == [content(r) for r in read(fresh)]
     want_ids = [json.loads(x)["custom_id"] if x.startswith("{") else None for x in lines]
     assert [r["custom_id"] for r in rows] == want_ids  # each once, in input order
-    assert rows[:len(first)] == first
-    # The resumed answers equal an uninterrupted run's (greedy).
-    fresh = tmp_path / "fresh.jsonl"
-    assert main(["run-batch", "-i", str(source), "-o", str(fresh), *flags(model)]) == 0
-    texts = [r["response"]["body"].get("choices", [{}])[0].get("text") for r in rows]
-    assert texts == [r["response"]["body"].get("choices", [{}])[0].get("text")
-                     for r in read(fresh)]
     # Rerunning a finished output answers nothing more.
-    assert main(["run-batch", "-i", str(source), "-o", str(target), *flags(model)]) == 0
+    capsys.readouterr()
+    assert main(run) == 0
+    assert summary(capsys.readouterr().err)[1:] == (len(lines), 0, 0)
     assert read(target) == rows
 
 

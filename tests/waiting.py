@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0,
+async def until(condition: Callable[[], bool], timeout_s: float = 120.0,
                 what: str = "the condition") -> None:
     """Let the loop's other tasks (and threads) run until `condition()` holds."""
     deadline = time.monotonic() + timeout_s

@@ -81,6 +81,9 @@ class RayServeConfig:
     app_name: str = "batchinfer"
     metrics_interval_s: float = 2.0  # how often a replica copies its metrics into Ray's
     log_level: str = "info"  # of the replicas' batchinfer loggers
+    # How long Ray Serve waits for a replica's health check (every 5 s; three misses in a row
+    # and the replica is replaced).
+    health_check_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -101,6 +104,8 @@ class RayServeConfig:
             raise ValueError("prefix_chars must be at least 1")
         if not self.metrics_interval_s > 0:
             raise ValueError("metrics_interval_s must be positive")
+        if not self.health_check_timeout_s > 0:
+            raise ValueError("health_check_timeout_s must be positive")
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
@@ -147,7 +152,7 @@ def replica_options(engine_config: EngineConfig | None, server_config: ServerCon
         "ray_actor_options": {"num_cpus": replica_cpus(engine_config, ray_config),
                               "num_gpus": 1 if uses_gpu(engine_config) else 0},
         "health_check_period_s": 5,
-        "health_check_timeout_s": 30,
+        "health_check_timeout_s": ray_config.health_check_timeout_s,
         "graceful_shutdown_timeout_s": server_config.shutdown_timeout_s or 20.0,
     }
     if ray_config.autoscale is not None:
