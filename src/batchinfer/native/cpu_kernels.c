@@ -45,6 +45,13 @@
 #else
 #define BI_AVX512 0
 #endif
+/* 256-bit paths where the compiler targets AVX2 + FMA (+ F16C) but not AVX-512 */
+#if !BI_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define BI_AVX2 1
+#else
+#define BI_AVX2 0
+#endif
 /* 8-bit inputs' products (`vpdpbusd`) where AVX-512 VNNI is there */
 #if BI_AVX512 && defined(__AVX512VNNI__)
 #define BI_ACT8 1
@@ -94,6 +101,9 @@ typedef struct {
 } bi_model;
 
 int bi_avx512(void) { return BI_AVX512; }
+
+/* The instruction-set level this build's kernels use (native/__init__.py's ISA_LEVELS). */
+const char *bi_isa(void) { return BI_AVX512 ? "avx512" : BI_AVX2 ? "avx2" : "portable"; }
 
 /* ---- linears -------------------------------------------------------------------------- */
 
