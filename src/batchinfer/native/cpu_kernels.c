@@ -110,6 +110,21 @@ const char *bi_isa(void) { return BI_AVX512 ? "avx512" : BI_AVX2 ? "avx2" : "por
 static inline int num_groups(const bi_linear *l) { return l->k / GROUP; }
 static inline int tile_of(const bi_linear *l) { return l->kind == BI_F32 ? TILE_F32 : TILE_Q; }
 
+#if BI_AVX2
+/* Horizontal sum and maximum of 8 floats. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 /* A linear's input rows as its kernel reads them: float32 rows (BI_F32), or per group of 32
  * the 16-bit integers `q`, their `scale` and the float sum of the group (`sum`, for q4's
  * offsets). */
@@ -141,6 +156,26 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
         _mm256_storeu_si256((__m256i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi16(qb));
         scale[g] = top / 32767.f;
         sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+    return;
+#elif BI_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int g = 0; g < groups; g++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + g * GROUP + 8 * i);
+        const float top = hmax8(_mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+        const __m256 inv = _mm256_set1_ps(top > TINY_GROUP ? 32767.f / top : 0.f);
+        __m256i qi[4];  /* round to nearest (the default mode) */
+        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        /* narrow with saturation; packs works within 128-bit lanes: put them back in order */
+        const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
+        const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(q + g * GROUP), a);
+        _mm256_storeu_si256((__m256i *)(q + g * GROUP + 16), b);
+        scale[g] = top / 32767.f;
+        sum[g] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     }
     return;
 #endif
@@ -290,6 +325,162 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
 
 /* One tile for `rows` (1..4) input rows; constant row counts let the compiler keep every
  * accumulator in a register. */
+#define DISPATCH_ROWS(call_rows) \
+    switch (rows) { case 1: call_rows(1); break; case 2: call_rows(2); break; \
+                    case 3: call_rows(3); break; default: call_rows(4); break; }
+
+static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0, int rows,
+                        float *y, int64_t ldy, int accumulate) {
+    if (l->kind == BI_F32) {
+#define F32_ROWS(R) f32_tile(l, tile, in->x + r0 * in->ldx, in->ldx, R, y, ldy, accumulate)
+        DISPATCH_ROWS(F32_ROWS)
+    } else {
+        const int groups = num_groups(l);
+        const bi_input part = {NULL, 0, in->q + (int64_t)r0 * l->k,
+                               in->scale + (int64_t)r0 * groups, in->sum + (int64_t)r0 * groups,
+                               NULL};
+#define Q_ROWS(R) quant_tile(l, tile, &part, R, y, ldy, accumulate)
+        DISPATCH_ROWS(Q_ROWS)
+    }
+}
+#elif BI_AVX2
+/* The same arithmetic in 256-bit registers: a 16-output tile is two halves of 8 outputs (one
+ * per 32-bit lane), each run over every group in turn, so that a half's accumulators, two
+ * chains of multiply-adds per row and the unpacked weights fit AVX2's sixteen registers. */
+/* y[0..8) = v (+ bias[0..8)) (+ y[0..8) when accumulating). */
+static inline void finish8(float *y, __m256 v, const float *bias, int accumulate) {
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(y));
+    _mm256_storeu_ps(y, v);
+}
+
+/* Outputs [8h, 8h + 8) of a 16-output tile, of `rows` (1..4) input rows, over every group:
+ * a chunk's bytes 16h..16h+15 hold those outputs' weight pairs, widened to 16 bits and
+ * multiplied against an input pair broadcast to every lane (`vpmaddwd`). */
+static inline __attribute__((always_inline)) void
+quant_half(const bi_linear *l, int tile, int h, const bi_input *in, int rows, float *y,
+           int64_t ldy, int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    const int q4 = l->kind == BI_Q4;
+    const int64_t chunk_bytes = q4 ? 8 * 32 : 16 * 32;
+    const uint8_t *w = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes + 16 * h;
+    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q + 8 * h;
+    const float *off = q4 ? l->offset + (int64_t)tile * groups * TILE_Q + 8 * h : NULL;
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * chunk_bytes;
+        __m256i d[ROW_TILE], e[ROW_TILE];
+        for (int r = 0; r < ROW_TILE; r++) d[r] = e[r] = _mm256_setzero_si256();
+        if (q4) {
+            for (int i = 0; i < 8; i++) {  /* pairs i and i + 8 of the group */
+                const __m256i v = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)(wg + 32 * i)));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_srli_epi16(v, 4);
+                for (int r = 0; r < rows; r++) {
+                    const int32_t *xp = (const int32_t *)(in->q + (int64_t)r * k + g * GROUP);
+                    d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(lo, _mm256_set1_epi32(xp[i])));
+                    e[r] = _mm256_add_epi32(e[r],
+                                            _mm256_madd_epi16(hi, _mm256_set1_epi32(xp[i + 8])));
+                }
+            }
+        } else {
+            for (int p = 0; p < 16; p += 2) {
+                const __m256i v0 = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(wg + 32 * p)));
+                const __m256i v1 = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(wg + 32 * p + 32)));
+                for (int r = 0; r < rows; r++) {
+                    const int32_t *xp = (const int32_t *)(in->q + (int64_t)r * k + g * GROUP);
+                    d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(v0, _mm256_set1_epi32(xp[p])));
+                    e[r] = _mm256_add_epi32(e[r],
+                                            _mm256_madd_epi16(v1, _mm256_set1_epi32(xp[p + 1])));
+                }
+            }
+        }
+        const __m256 s = _mm256_loadu_ps(sc + g * TILE_Q);
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = (int64_t)r * groups + g;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d[r], e[r])),
+                                     _mm256_mul_ps(s, _mm256_set1_ps(in->scale[at])), acc[r]);
+            if (q4)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(off + g * TILE_Q),
+                                         _mm256_set1_ps(in->sum[at]), acc[r]);
+        }
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_Q + 8 * h : NULL;
+    for (int r = 0; r < rows; r++)
+        finish8(y + r * ldy + tile * TILE_Q + 8 * h, acc[r], bias, accumulate);
+}
+
+static inline __attribute__((always_inline)) void
+quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y, int64_t ldy,
+           int accumulate) {
+    quant_half(l, tile, 0, in, rows, y, ldy, accumulate);
+    quant_half(l, tile, 1, in, rows, y, ldy, accumulate);
+}
+
+/* The lanes of a float32 row's last `left` (< 8) elements. */
+static inline __m256i tail_mask8(int left) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
+}
+
+/* J outputs [j0, j0 + J) of a float32 tile for R rows: one chain per (row, output), two for a
+ * single row (8 floats apart), so that FMA latency is covered. */
+static inline __attribute__((always_inline)) void
+f32_part(const bi_linear *l, int tile, int j0, const int J, const float *x, int64_t ldx,
+         const int R, float *y, int64_t ldy, int accumulate) {
+    const int k = l->k, U = R == 1 ? 2 : 1;
+    const float *w = (const float *)l->weight + ((int64_t)tile * TILE_F32 + j0) * k;
+    /* float32 weights stream from memory: fetch the tile two ahead (inside the weight) */
+    const float *ahead = tile + 2 < l->n / TILE_F32 ? w + (int64_t)2 * TILE_F32 * k : w;
+    __m256 acc[ROW_TILE][TILE_F32][2];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 * U <= k; i += 8 * U)
+        for (int u = 0; u < U; u++) {
+            __m256 xv[ROW_TILE];
+            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i + 8 * u);
+            for (int j = 0; j < J; j++) {
+                if (u == 0) _mm_prefetch((const char *)(ahead + (int64_t)j * k + i), _MM_HINT_T0);
+                const __m256 wv = _mm256_loadu_ps(w + (int64_t)j * k + i + 8 * u);
+                for (int r = 0; r < R; r++)
+                    acc[r][j][u] = _mm256_fmadd_ps(wv, xv[r], acc[r][j][u]);
+            }
+        }
+    for (; i < k; i += 8) {
+        const __m256i m = tail_mask8(k - i < 8 ? k - i : 8);
+        __m256 xv[ROW_TILE];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_maskload_ps(x + r * ldx + i, m);
+        for (int j = 0; j < J; j++) {
+            const __m256 wv = _mm256_maskload_ps(w + (int64_t)j * k + i, m);
+            for (int r = 0; r < R; r++) acc[r][j][0] = _mm256_fmadd_ps(wv, xv[r], acc[r][j][0]);
+        }
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++)
+            finish(y + r * ldy + tile * TILE_F32, j0 + j,
+                   hsum8(U == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][1]) : acc[r][j][0]),
+                   bias, accumulate);
+}
+
+/* A float32 tile (4 outputs) for `rows` (1..4) rows: all four outputs together for up to two
+ * rows, two at a time for three or four (the accumulators then still fit the registers). */
+static inline __attribute__((always_inline)) void
+f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int rows,
+         float *y, int64_t ldy, int accumulate) {
+    if (rows <= 2) {
+        f32_part(l, tile, 0, TILE_F32, x, ldx, rows, y, ldy, accumulate);
+    } else {
+        f32_part(l, tile, 0, 2, x, ldx, rows, y, ldy, accumulate);
+        f32_part(l, tile, 2, 2, x, ldx, rows, y, ldy, accumulate);
+    }
+}
+
 #define DISPATCH_ROWS(call_rows) \
     switch (rows) { case 1: call_rows(1); break; case 2: call_rows(2); break; \
                     case 3: call_rows(3); break; default: call_rows(4); break; }
