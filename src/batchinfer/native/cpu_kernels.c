@@ -1143,6 +1143,9 @@ static void kv_load(const void *src, int64_t n, int type, float *dst) {
 #if BI_AVX512
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(h + i))));
+#elif BI_AVX2
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(h + i))));
 #endif
         for (; i < n; i++) dst[i] = f16_to_f32(h[i]);
         return;
@@ -1153,6 +1156,10 @@ static void kv_load(const void *src, int64_t n, int type, float *dst) {
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(h + i))), 16)));
+#elif BI_AVX2
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(h + i))), 16)));
 #endif
         for (; i < n; i++) dst[i] = bits_f32((uint32_t)h[i] << 16);
         return;
@@ -1211,6 +1218,25 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, r);
 }
+#elif BI_AVX2
+/* e^x as the AVX-512 exp_ps computes it, 2^r built from r's exponent bits (r in [-126, 127]
+ * after the clamp, so a normal float). */
+static inline __m256 exp8_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, r), _mm256_set1_ps(0.693147180559945309f));
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i two_r = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_r));
+}
 #endif
 
 /* out[i] = silu(g[i]) * u[i] for i in [first, last) (`out` may be `g`). */
@@ -1223,6 +1249,14 @@ static void silu_mul(float *out, const float *g, const float *u, int first, int 
         const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)),
                                                 _mm512_loadu_ps(u + i)));
+    }
+#elif BI_AVX2
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= last; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)),
+                                                _mm256_loadu_ps(u + i)));
     }
 #endif
     for (; i < last; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
@@ -1348,6 +1382,15 @@ static float exp_shifted(float *s, int n, float m) {
         acc = _mm512_add_ps(acc, p);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif BI_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 p = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+        _mm256_storeu_ps(s + i, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    sum = hsum8(acc);
 #endif
     for (; i < n; i++) {
         s[i] = expf(s[i] - m);
@@ -1363,6 +1406,16 @@ static inline float dot(const float *a, const float *b, int d) {
         for (int i = 16; i < d; i += 16)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
         return _mm512_reduce_add_ps(acc);
+    }
+#elif BI_AVX2
+    if (d % 16 == 0) {  /* two chains */
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+        __m256 odd = _mm256_mul_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8));
+        for (int i = 16; i < d; i += 16) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+            odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
+        }
+        return hsum8(_mm256_add_ps(acc, odd));
     }
 #endif
     float s = 0.f;
