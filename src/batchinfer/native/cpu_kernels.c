@@ -347,6 +347,10 @@ static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0
 /* The same arithmetic in 256-bit registers: a 16-output tile is two halves of 8 outputs (one
  * per 32-bit lane), each run over every group in turn, so that a half's accumulators, two
  * chains of multiply-adds per row and the unpacked weights fit AVX2's sixteen registers. */
+/* Integer adds are associative: left alone, the compiler turns a chain of multiply-adds into
+ * all the products first, summed as a tree, and spills them; this keeps each a chain. */
+#define KEEP_CHAINS(a, b) __asm__("" : "+x"(a), "+x"(b))
+
 /* y[0..8) = v (+ bias[0..8)) (+ y[0..8) when accumulating). */
 static inline void finish8(float *y, __m256 v, const float *bias, int accumulate) {
     if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
@@ -383,6 +387,7 @@ quant_half(const bi_linear *l, int tile, int h, const bi_input *in, int rows, fl
                     d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(lo, _mm256_set1_epi32(xp[i])));
                     e[r] = _mm256_add_epi32(e[r],
                                             _mm256_madd_epi16(hi, _mm256_set1_epi32(xp[i + 8])));
+                    KEEP_CHAINS(d[r], e[r]);
                 }
             }
         } else {
@@ -396,6 +401,7 @@ quant_half(const bi_linear *l, int tile, int h, const bi_input *in, int rows, fl
                     d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(v0, _mm256_set1_epi32(xp[p])));
                     e[r] = _mm256_add_epi32(e[r],
                                             _mm256_madd_epi16(v1, _mm256_set1_epi32(xp[p + 1])));
+                    KEEP_CHAINS(d[r], e[r]);
                 }
             }
         }
@@ -704,6 +710,113 @@ held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const
     }
 }
 
+#elif BI_AVX2
+/* One group's weights of T tiles, unpacked to 16 bits in input-pair order: `wb[t][p][h]`
+ * holds outputs 8h..8h+7 of tile t, their weights for inputs 2p and 2p + 1 (one 32-bit lane
+ * each). */
+static inline __attribute__((always_inline)) void
+unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, __m256i *wb) {
+    const int groups = num_groups(l);
+    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wg = (const uint8_t *)l->weight
+                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        __m256i *w = wb + 32 * t;
+        for (int h = 0; h < 2; h++) {
+            if (Q4) {  /* chunk i: pair i in the low nibbles, pair i + 8 in the high ones */
+                for (int i = 0; i < 8; i++) {
+                    const __m256i v = _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wg + 32 * i + 16 * h)));
+                    _mm256_store_si256(w + 2 * i + h, _mm256_and_si256(v, low));
+                    _mm256_store_si256(w + 2 * (i + 8) + h, _mm256_srli_epi16(v, 4));
+                }
+            } else {
+                for (int p = 0; p < 16; p++)
+                    _mm256_store_si256(w + 2 * p + h, _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wg + 32 * p + 16 * h))));
+            }
+        }
+    }
+}
+
+/* R (1..4) rows x one tile of one group: a chain of multiply-adds per (row, half), a pair of
+ * inputs broadcast against both halves' weights; then each row's `acc` (HELD_TILES * TILE_Q
+ * floats apart, this tile's 16 first) += the products, scaled (and q4's offsets times the
+ * group's input sum). */
+static inline __attribute__((always_inline)) void
+rows_tile16(const __m256i *w, const int Q4, const bi_input *in, int k, int groups, int g,
+            int r0, const int R, const float *s, const float *off, float *acc) {
+    __asm__("" : "+r"(w));  /* see the AVX-512 rows_tiles16_4x4 */
+    __m256i d[HELD_ROWS][2];
+    const int32_t *xp[HELD_ROWS];
+    for (int r = 0; r < R; r++) {
+        xp[r] = (const int32_t *)(in->q + (int64_t)(r0 + r) * k + g * GROUP);
+        d[r][0] = d[r][1] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; p++) {
+        const __m256i w0 = _mm256_load_si256(w + 2 * p), w1 = _mm256_load_si256(w + 2 * p + 1);
+        for (int r = 0; r < R; r++) {
+            const __m256i x = _mm256_set1_epi32(xp[r][p]);
+            d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(w0, x));
+            d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(w1, x));
+            KEEP_CHAINS(d[r][0], d[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (int64_t)(r0 + r) * groups + g;
+        const __m256 xs = _mm256_set1_ps(in->scale[at]), xsum = _mm256_set1_ps(in->sum[at]);
+        for (int h = 0; h < 2; h++) {
+            float *a = acc + (r0 + r) * HELD_TILES * TILE_Q + 8 * h;
+            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][h]),
+                                       _mm256_mul_ps(_mm256_loadu_ps(s + 8 * h), xs),
+                                       _mm256_load_ps(a));
+            if (Q4) v = _mm256_fmadd_ps(_mm256_loadu_ps(off + 8 * h), xsum, v);
+            _mm256_store_ps(a, v);
+        }
+    }
+}
+
+/* Tiles [tile, tile + T) for up to BLOCK_ROWS rows, group by group: the group's weights are
+ * unpacked once (into L1) and serve every row, HELD_ROWS rows and a tile at a time. */
+static inline __attribute__((always_inline)) void
+held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const bi_input *in,
+                  int rows, float *y, int64_t ldy, int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    __m256i wb[HELD_TILES * 32];
+    float acc[BLOCK_ROWS * HELD_TILES * TILE_Q] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
+    for (int g = 0; g < groups; g++) {
+        unpack_group16(l, Q4, tile, T, g, wb);
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(tile + t) * groups + g) * TILE_Q;
+            const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
+            const __m256i *w = wb + 32 * t;
+            float *a = acc + t * TILE_Q;
+            int r0 = 0;
+            for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS)
+                rows_tile16(w, Q4, in, k, groups, g, r0, HELD_ROWS, s, off, a);
+            switch (rows - r0) {
+            case 3: rows_tile16(w, Q4, in, k, groups, g, r0, 3, s, off, a); break;
+            case 2: rows_tile16(w, Q4, in, k, groups, g, r0, 2, s, off, a); break;
+            case 1: rows_tile16(w, Q4, in, k, groups, g, r0, 1, s, off, a); break;
+            default: break;
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < 2; h++)
+                finish8(y + r * ldy + (tile + t) * TILE_Q + 8 * h,
+                        _mm256_load_ps(acc + (r * HELD_TILES + t) * TILE_Q + 8 * h),
+                        bias ? bias + 8 * h : NULL, accumulate);
+    }
+}
+#endif
+
+#if BI_AVX512 || BI_AVX2
 static void held_tiles16(const bi_linear *l, int tile, int T, const bi_input *in, int rows,
                          float *y, int64_t ldy, int accumulate) {
 #define HELD16(Q, N) held_tiles16_kind(l, Q, tile, N, in, rows, y, ldy, accumulate)
@@ -734,7 +847,7 @@ static void linear_tiles(const bi_linear *l, int first, int last, const bi_input
         return;
     }
 #endif
-#if BI_AVX512
+#if BI_AVX512 || BI_AVX2
     if (l->kind != BI_F32 && rows >= MIN_HELD_ROWS) {
         const int groups = num_groups(l);
         for (int t = first; t < last; t += HELD_TILES) {
