@@ -693,8 +693,8 @@ def test_every_isa_level_computes_the_same_attention_and_decode_steps(level, lib
                                                                       monkeypatch):
     """Each level's build other than the default one (which the rest of this file tests):
     packed attention, the KV cache conversions, the element-wise passes, the 16-bit inputs
-    where 8-bit ones are asked for without AVX-512 VNNI, and decode steps over float32 and
-    float16 caches give what torch gives."""
+    where 8-bit ones are asked for without AVX-512 VNNI, and decode steps over float32,
+    float16, bfloat16 and e5m2 caches (head sizes 16 and 64) give what torch gives."""
     built = _level_library(level)
     if level == native.isa_level(lib):
         pytest.skip("the default build: tested by the rest of this file")
@@ -709,6 +709,12 @@ def test_every_isa_level_computes_the_same_attention_and_decode_steps(level, lib
     wide = q4(many)
     q4.int8_inputs = True
     assert torch.equal(q4(many), wide)
-    for kv_dtype in (torch.float32, torch.float16):
-        loaded, runner = _llama(tmp_path / str(kv_dtype), "q4", "q4_native", kv_dtype)
+    head64 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "vocab_size": 320, "intermediate_size": 256}  # the fixed-size attention kernels
+    for name, kv_dtype, overrides in (("f32", torch.float32, {}),
+                                      ("f32-head64", torch.float32, head64),
+                                      ("f16-head64", torch.float16, head64),
+                                      ("bf16-head64", torch.bfloat16, head64),
+                                      ("e5m2-head64", torch.float8_e5m2, head64)):
+        loaded, runner = _llama(tmp_path / name, "q4", "q4_native", kv_dtype, **overrides)
         _compare_decode_steps(loaded, runner, 1e-3)

@@ -1653,6 +1653,85 @@ block_values_fixed(const float *p, const void *values, int n, int per_kv, const 
         }
 }
 
+#elif BI_AVX2
+/* Lane t of the result: the sum of a[t]'s 8 lanes. */
+static inline __m256 sum_lanes8(const __m256 a[8]) {
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                         _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+/* 8 cache elements from element `i` of `p` (see the AVX-512 load_kv16). */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *p, int64_t i,
+                                                             const int KT) {
+    if (KT == BI_KV_F32) return _mm256_loadu_ps((const float *)p + i);
+    if (KT == BI_KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (KT == BI_KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(
+        _mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i))), 8));  /* e5m2 */
+}
+
+/* The AVX-512 kernels' arithmetic 8 lanes wide: 8 keys at a time (8 chains, the query read
+ * from L1 rather than held: 128 floats of it would take every register), and each output's
+ * 32-float chunks held in registers across the block's values. */
+static inline __attribute__((always_inline)) void
+block_scores_fixed(const float *q, const void *keys, int n, int per_kv, const int D, const int KT,
+                   float scale, float *scores, int bs) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int h = 0; h < per_kv; h++)
+        for (int t0 = 0; t0 < n; t0 += 8) {
+            const int m = n - t0 < 8 ? n - t0 : 8;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            int64_t key[8];  /* past the block's last key: that one again, not stored */
+            for (int i = 0; i < 8; i++) key[i] = (int64_t)(t0 + (i < m ? i : m - 1)) * D;
+            for (int c = 0; c < D / 8; c++) {
+                const __m256 qc = _mm256_loadu_ps(q + h * D + 8 * c);
+                for (int i = 0; i < 8; i++)
+                    a[i] = _mm256_fmadd_ps(qc, load_kv8(keys, key[i] + 8 * c, KT), a[i]);
+            }
+            _mm256_maskstore_ps(scores + h * bs + t0, tail_mask8(m),
+                                _mm256_mul_ps(sum_lanes8(a), sv));
+        }
+}
+
+static inline __attribute__((always_inline)) void
+block_values_fixed(const float *p, const void *values, int n, int per_kv, const int D,
+                   const int KT, float *out, int bs) {
+    for (int h = 0; h < per_kv; h++)
+        for (int c0 = 0; c0 < D / 8; c0 += 4) {
+            __m256 a[4], b[4];
+            for (int i = 0; i < 4; i++) {
+                a[i] = _mm256_loadu_ps(out + h * D + 8 * (c0 + i));
+                b[i] = _mm256_setzero_ps();
+            }
+            int t = 0;
+            for (; t + 2 <= n; t += 2) {  /* two chains: even and odd values */
+                const __m256 w0 = _mm256_set1_ps(p[h * bs + t]);
+                const __m256 w1 = _mm256_set1_ps(p[h * bs + t + 1]);
+                const int64_t v0 = (int64_t)t * D + 8 * c0, v1 = v0 + D;
+                for (int i = 0; i < 4; i++) {
+                    a[i] = _mm256_fmadd_ps(w0, load_kv8(values, v0 + 8 * i, KT), a[i]);
+                    b[i] = _mm256_fmadd_ps(w1, load_kv8(values, v1 + 8 * i, KT), b[i]);
+                }
+            }
+            if (t < n) {
+                const __m256 w0 = _mm256_set1_ps(p[h * bs + t]);
+                const int64_t v0 = (int64_t)t * D + 8 * c0;
+                for (int i = 0; i < 4; i++)
+                    a[i] = _mm256_fmadd_ps(w0, load_kv8(values, v0 + 8 * i, KT), a[i]);
+            }
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(out + h * D + 8 * (c0 + i), _mm256_add_ps(a[i], b[i]));
+        }
+}
+#endif
+
+#if BI_AVX512 || BI_AVX2
 /* Keys / values of one block, read in place, for the head sizes and cache types with a
  * fixed-size kernel; 0 where there is none (the caller widens the block, `kv_load`). Each
  * query head of the KV head reads the block again, widening it again: one instruction per 16
@@ -1690,7 +1769,7 @@ static int block_values_in_place(const float *p, const void *values, int n, int 
 
 static void block_scores(const float *q, const float *keys, int n, int per_kv, int d,
                          float scale, float *scores, int bs) {
-#if BI_AVX512
+#if BI_AVX512 || BI_AVX2
     if (block_scores_in_place(q, keys, n, per_kv, d, BI_KV_F32, scale, scores, bs)) return;
 #endif
     block_scores_any(q, keys, n, per_kv, d, scale, scores, bs);
@@ -1698,7 +1777,7 @@ static void block_scores(const float *q, const float *keys, int n, int per_kv, i
 
 static void block_values(const float *p, const float *values, int n, int per_kv, int d,
                          float *out, int bs) {
-#if BI_AVX512
+#if BI_AVX512 || BI_AVX2
     if (block_values_in_place(p, values, n, per_kv, d, BI_KV_F32, out, bs)) return;
 #endif
     block_values_any(p, values, n, per_kv, d, out, bs);
@@ -1749,7 +1828,7 @@ static void attend_part(const bi_model *m, const void *layer_cache, const float 
         }
         const float *keys = (const float *)k_at, *values = (const float *)v_at;
         int in_place = 0;
-#if BI_AVX512
+#if BI_AVX512 || BI_AVX2
         in_place = block_scores_in_place(q, k_at, n, per_kv, d, type, scale, scores, bs);
 #endif
         if (!in_place && type != BI_KV_F32) {
@@ -1771,6 +1850,10 @@ static void attend_part(const bi_model *m, const void *layer_cache, const float 
                                                               sh + t));
             best = _mm512_reduce_max_ps(top);
             t = n;
+#elif BI_AVX2
+            __m256 top = _mm256_set1_ps(best);
+            for (; t + 8 <= n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sh + t));
+            best = hmax8(top);
 #endif
             for (; t < n; t++) best = sh[t] > best ? sh[t] : best;
             if (best > mx[h]) {  /* a new maximum: rescale what was summed so far */
@@ -1782,7 +1865,7 @@ static void attend_part(const bi_model *m, const void *layer_cache, const float 
             }
             total[h] += exp_shifted(sh, n, mx[h]);
         }
-#if BI_AVX512
+#if BI_AVX512 || BI_AVX2
         if (in_place) {
             block_values_in_place(scores, v_at, n, per_kv, d, type, out, bs);
             continue;
