@@ -2,11 +2,13 @@
  * their packed form (for one row or thousands), a whole decode step of a Llama-family model in
  * one call, and encoders' self-attention over packed sentences.
  *
- * Built on the machine that runs it (`-march=native`, see native/__init__.py), loaded with
- * ctypes. AVX-512 paths where the compiler targets AVX-512 (with VNNI's dot-product
- * instructions where present), portable C loops elsewhere (the compiler vectorizes them for
- * the machine: AVX2, NEON). Threads: OpenMP, the same runtime torch uses, the count passed
- * by the caller.
+ * Built on the machine that runs it, once per instruction-set level (see native/__init__.py),
+ * loaded with ctypes; `bi_isa()` names the level of a build. AVX-512 paths where the compiler
+ * targets AVX-512 (with VNNI's dot-product instructions where present); AVX2 paths where it
+ * targets AVX2 + FMA + F16C and not AVX-512 (the quantized and float32 linears, the decode
+ * attention, exp and SiLU; the rest is the portable loops, vectorized by the compiler);
+ * portable C loops elsewhere (the compiler vectorizes them for the machine: SSE, NEON).
+ * Threads: OpenMP, the same runtime torch uses, the count passed by the caller.
  *
  * Weight layouts (`bi_linear.kind`), for `n` outputs and `k` inputs:
  *   BI_F32: float32 `[n][k]`, row-major (a dense `nn.Linear` weight as it is), n % 4 == 0;
@@ -420,9 +422,77 @@ quant_half(const bi_linear *l, int tile, int h, const bi_input *in, int rows, fl
         finish8(y + r * ldy + tile * TILE_Q + 8 * h, acc[r], bias, accumulate);
 }
 
+/* Both halves of a tile for one row (`rows` 1; two would spill) in one pass: an input pair's
+ * broadcast serves both, and each group's 32-byte chunks are read whole. */
 static inline __attribute__((always_inline)) void
-quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y, int64_t ldy,
-           int accumulate) {
+quant_pair(const bi_linear *l, int tile, const bi_input *in, const int rows, float *y,
+           int64_t ldy, int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    const int q4 = l->kind == BI_Q4;
+    const int64_t chunk_bytes = q4 ? 8 * 32 : 16 * 32;
+    const uint8_t *w = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes;
+    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q;
+    const float *off = q4 ? l->offset + (int64_t)tile * groups * TILE_Q : NULL;
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    __m256 acc[2][2];
+    for (int r = 0; r < 2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * chunk_bytes;
+        __m256i d[2][2], e[2][2];  /* [row][half] */
+        for (int r = 0; r < 2; r++) d[r][0] = d[r][1] = e[r][0] = e[r][1] = _mm256_setzero_si256();
+        for (int i = 0; i < (q4 ? 8 : 16); i += q4 ? 1 : 2) {
+            __m256i a[2], b[2];  /* per half: the pairs of the two chains */
+            for (int h = 0; h < 2; h++) {
+                if (q4) {  /* pairs i and i + 8 */
+                    const __m256i v = _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wg + 32 * i + 16 * h)));
+                    a[h] = _mm256_and_si256(v, low);
+                    b[h] = _mm256_srli_epi16(v, 4);
+                } else {  /* pairs i and i + 1 */
+                    a[h] = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wg + 32 * i + 16 * h)));
+                    b[h] = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wg + 32 * i + 32 + 16 * h)));
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const int32_t *xp = (const int32_t *)(in->q + (int64_t)r * k + g * GROUP);
+                const __m256i xa = _mm256_set1_epi32(xp[i]);
+                const __m256i xb = _mm256_set1_epi32(xp[q4 ? i + 8 : i + 1]);
+                for (int h = 0; h < 2; h++) {
+                    d[r][h] = _mm256_add_epi32(d[r][h], _mm256_madd_epi16(a[h], xa));
+                    e[r][h] = _mm256_add_epi32(e[r][h], _mm256_madd_epi16(b[h], xb));
+                    KEEP_CHAINS(d[r][h], e[r][h]);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = _mm256_loadu_ps(sc + g * TILE_Q + 8 * h);
+            for (int r = 0; r < rows; r++) {
+                const int64_t at = (int64_t)r * groups + g;
+                acc[r][h] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_add_epi32(d[r][h], e[r][h])),
+                    _mm256_mul_ps(s, _mm256_set1_ps(in->scale[at])), acc[r][h]);
+                if (q4)
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(off + g * TILE_Q + 8 * h),
+                                                _mm256_set1_ps(in->sum[at]), acc[r][h]);
+            }
+        }
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++)
+            finish8(y + r * ldy + tile * TILE_Q + 8 * h, acc[r][h], bias ? bias + 8 * h : NULL,
+                    accumulate);
+}
+
+static inline __attribute__((always_inline)) void
+quant_tile(const bi_linear *l, int tile, const bi_input *in, const int rows, float *y,
+           int64_t ldy, int accumulate) {
+    if (rows == 1) {
+        quant_pair(l, tile, in, 1, y, ldy, accumulate);
+        return;
+    }
     quant_half(l, tile, 0, in, rows, y, ldy, accumulate);
     quant_half(l, tile, 1, in, rows, y, ldy, accumulate);
 }
