@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from batchinfer import native
 from batchinfer.models import linear_kernels as lk
 from batchinfer.models.loader import load_model
 
@@ -51,7 +52,7 @@ def main() -> None:
                 best_of_form.setdefault((*shape, bucket), set()).add(name)
     names = list(timings)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          "ms per pass")
+          f"native ISA level {native.isa_level()} (BATCHINFER_CPU_ISA); ms per pass")
     print(f"{'shape':>12} {'rows':>5}" + "".join(f"{n:>12}" for n in names))
     for shape in shapes:
         for bucket, rows in enumerate(lk.PROBE_ROWS):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from batchinfer import LLM, SamplingParams
+from batchinfer import LLM, SamplingParams, native
 from batchinfer.core.cpu import cpu_model
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.models.linear_kernels import BUCKET_NAMES, bucket_of
@@ -39,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"contexts of {args.context} tokens; median of {args.repeats} steps")
+          f"native ISA level {native.isa_level()} (BATCHINFER_CPU_ISA); contexts of "
+          f"{args.context} tokens; median of {args.repeats} steps")
     print(f"{'weights':8}{'rows':>6}{'torch ms':>10}{'native ms':>11}{'speed-up':>10}"
           f"{'engine runs':>13}")
     chosen: list[tuple[bool, ...]] = []
@@ -82,10 +83,10 @@ def main() -> None:
                         if step:  # the first of each is a warm-up
                             times[name].append(time.perf_counter() - start)
             ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-            native = f"{ms['native']:11.1f}{ms['torch'] / ms['native']:9.2f}x" if (
+            cell = f"{ms['native']:11.1f}{ms['torch'] / ms['native']:9.2f}x" if (
                 "native" in ms) else f"{'-':>11}{'':>10}"
             bucket = BUCKET_NAMES[bucket_of(rows)]
-            print(f"{form:8}{rows:6}{ms['torch']:10.1f}{native}"
+            print(f"{form:8}{rows:6}{ms['torch']:10.1f}{cell}"
                   f"{'native' if bucket in taken else 'torch':>13}", flush=True)
         if decoder is None:
             print(f"{form}: no native decode steps ({why})")

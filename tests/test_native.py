@@ -6,7 +6,6 @@ falls back to torch's kernels."""
 from __future__ import annotations
 
 import logging
-import platform
 import random
 
 import pytest
@@ -598,30 +597,124 @@ def test_the_library_is_keyed_by_the_cpus_instruction_set(tmp_path):
     assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds x86-64's portable variant")
-def test_the_portable_c_path_computes_the_same(lib, tmp_path, monkeypatch):
-    """The library as a machine without AVX-512 builds it (`-march=x86-64-v2`: the portable
-    C loops): the same products and the same decode steps."""
-    flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native.FLAGS)
-    portable = native.build_and_load(tmp_path / "portable", flags)
-    assert portable is not None and portable.bi_avx512() == 0
-    monkeypatch.setattr(native, "library", lambda cache_dir=None: portable)
+def test_isa_levels_follow_the_cpus_flags(caplog):
+    """The levels a CPU runs come from its flags (only `portable` off x86); the best loads
+    unless `BATCHINFER_CPU_ISA` names one; one the CPU lacks steps down, logged; an unknown
+    name is an error."""
+    v3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sse4_2", "ssse3", "popcnt",
+          "cx16"}
+    every = frozenset(v3 | {"avx512f", "avx512bw"})
+    assert native.supported_levels(every, "x86_64") == ("avx512", "avx2", "portable")
+    assert native.supported_levels(frozenset(v3), "x86_64") == ("avx2", "portable")
+    assert native.supported_levels(frozenset({"avx2", "sse4_2"}), "x86_64") == ("portable",)
+    assert native.supported_levels(every, "aarch64") == ("portable",)
+    assert native.choose_level(None, ("avx2", "portable")) == "avx2"
+    assert native.choose_level("auto", ("avx512", "avx2", "portable")) == "avx512"
+    assert native.choose_level("portable", ("avx512", "avx2", "portable")) == "portable"
+    with caplog.at_level(logging.WARNING, logger="batchinfer.native"):
+        assert native.choose_level("avx512", ("avx2", "portable")) == "avx2"
+    assert "lacks" in caplog.text
+    with pytest.raises(ValueError, match="BATCHINFER_CPU_ISA"):
+        native.choose_level("sse9", ("avx2", "portable"))
+    assert "-march=x86-64-v3" in native.level_flags("avx2", "x86_64")
+    assert "-march=x86-64-v2" in native.level_flags("portable", "x86_64", frozenset(v3))
+    assert not any(f.startswith("-march") for f in native.level_flags("portable", "x86_64",
+                                                                      frozenset()))
+    assert "-march=native" in native.level_flags("portable", "aarch64")
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        native.level_flags("sse9")
+
+
+def test_the_environment_chooses_the_level_that_loads(lib, monkeypatch):
+    """`BATCHINFER_CPU_ISA` loads that level's build (`bi_isa()` says which); unset, the best
+    this CPU runs loads; an unknown name is a `ValueError`; a level asked for by argument that
+    the CPU lacks is refused."""
+    supported = native.supported_levels()
+    monkeypatch.delenv("BATCHINFER_CPU_ISA", raising=False)
+    assert native.isa_level() == supported[0]
+    for level in supported:
+        monkeypatch.setenv("BATCHINFER_CPU_ISA", level)
+        assert native.library().bi_isa().decode() == level
+        assert native.isa_level() == level
+    monkeypatch.setenv("BATCHINFER_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="BATCHINFER_CPU_ISA"):
+        native.library()
+    monkeypatch.delenv("BATCHINFER_CPU_ISA")
+    lacking = [level for level in native.ISA_LEVELS if level not in supported]
+    for level in lacking:
+        with pytest.raises(ValueError, match="this CPU runs"):
+            native.library(level=level)
+
+
+def _level_library(level: str):
+    if level not in native.supported_levels():
+        pytest.skip(f"this CPU does not run the {level} build")
+    built = native.library(level=level)
+    if built is None:
+        pytest.skip("the native kernels cannot be built here (no working C compiler)")
+    assert built.bi_isa().decode() == level
+    assert built.bi_avx512() == (level == "avx512")
+    return built
+
+
+LINEAR_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 130)
+
+
+@pytest.mark.parametrize("level", native.ISA_LEVELS)
+def test_every_isa_level_computes_the_products_of_their_weights(level, monkeypatch):
+    """Each level's build (AVX-512, AVX2, portable C), q4 / q8 / float32 products at shapes
+    that take whole tiles of 4 and of 16 and a remainder, 1 to 130 rows (remainders of 4, 8,
+    16 and 32), on 1 to 3 threads: F.linear on the weights they hold, within the tolerances of
+    `test_native_kernels_compute_the_product_of_their_weights`."""
+    built = _level_library(level)
+    monkeypatch.setattr(native, "library", lambda cache_dir=None, level=None: built)
+    threads = torch.get_num_threads()
+    try:
+        for n, k, seed in ((16, 32, 0), (80, 96, 1), (112, 160, 2)):
+            w, b = weights(n, k, seed, bias=seed != 1)
+            forms = WeightForms(w, b)
+            q4 = dequantize_q4(*quantize_q4(w))
+            q8 = dequantize_q8(*pack_q8(w))
+            f32 = NativeLinear(built, native.F32, n, k, (w,), b)
+            for rows in LINEAR_ROWS:
+                torch.set_num_threads(1 + rows % 3)
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                assert relative_error(forms.kernel("q4_native")(x),
+                                      F.linear(x, q4, b)) < 1e-4, (n, k, rows)
+                assert relative_error(forms.kernel("q8_native")(x),
+                                      F.linear(x, q8, b)) < 1e-4, (n, k, rows)
+                assert relative_error(f32(x), F.linear(x, w, b)) < 1e-5, (n, k, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("level", native.ISA_LEVELS)
+def test_every_isa_level_computes_the_same_attention_and_decode_steps(level, lib, tmp_path,
+                                                                      monkeypatch):
+    """Each level's build other than the default one (which the rest of this file tests):
+    packed attention, the KV cache conversions, the element-wise passes, the 16-bit inputs
+    where 8-bit ones are asked for without AVX-512 VNNI, and decode steps over float32,
+    float16, bfloat16 and e5m2 caches (head sizes 16 and 64) give what torch gives."""
+    built = _level_library(level)
+    if level == native.isa_level(lib):
+        pytest.skip("the default build: tested by the rest of this file")
+    monkeypatch.setattr(native, "library", lambda cache_dir=None, level=None: built)
+    check_packed_attention(built)
+    _check_kv_conversions(built)
+    _check_elementwise(built)
+    assert built.bi_act8() == 0  # no 8-bit input path: the 16-bit one runs
     w, b = weights(48, 64)
-    forms = WeightForms(w, b)
-    x = torch.randn(5, 64)
-    q_int8, channel = quantize_int8(w)
-    for name, held in (("q4_native", dequantize_q4(*quantize_q4(w))),
-                       ("q8_native", dequantize_q8(*pack_q8(w))),
-                       ("int8_native", q_int8.float() * channel[:, None])):
-        assert relative_error(forms.kernel(name)(x), F.linear(x, held, b)) < 1e-4, name
-    check_packed_attention(portable)
-    _check_kv_conversions(portable)
-    _check_elementwise(portable)
-    assert portable.bi_act8() == 0  # no 8-bit input path: the 16-bit one runs
-    q4 = forms.kernel("q4_native")
+    q4 = WeightForms(w, b).kernel("q4_native")
     many = torch.randn(70, 64)
     wide = q4(many)
     q4.int8_inputs = True
     assert torch.equal(q4(many), wide)
-    loaded, runner = _llama(tmp_path, "q4", "q4_native")
-    _compare_decode_steps(loaded, runner, 1e-3)
+    head64 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "vocab_size": 320, "intermediate_size": 256}  # the fixed-size attention kernels
+    for name, kv_dtype, overrides in (("f32", torch.float32, {}),
+                                      ("f32-head64", torch.float32, head64),
+                                      ("f16-head64", torch.float16, head64),
+                                      ("bf16-head64", torch.bfloat16, head64),
+                                      ("e5m2-head64", torch.float8_e5m2, head64)):
+        loaded, runner = _llama(tmp_path / name, "q4", "q4_native", kv_dtype, **overrides)
+        _compare_decode_steps(loaded, runner, 1e-3)

@@ -16,7 +16,7 @@ import openai
 import pytest
 import uvicorn
 
-from batchinfer import LLM, SamplingParams
+from batchinfer import LLM, SamplingParams, native
 from batchinfer.core.config import EngineConfig
 from batchinfer.server import serving
 from batchinfer.server.app import ServerConfig, build_app
@@ -489,6 +489,7 @@ def test_api_key(small_server):
     (generator,) = [m for m in models if "native_decode" in m]  # the encoder has none
     assert set(generator["native_decode"]) <= {"1", "2-8", "9-32", "33+"}
     assert generator["prefill_activations"] == "int16"  # the default
+    assert generator["cpu_isa"] in (None, *native.ISA_LEVELS)
 
 
 def test_embeddings_only():

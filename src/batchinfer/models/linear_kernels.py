@@ -550,6 +550,7 @@ def cache_key(shapes: Sequence[tuple[int, int]], names: Sequence[str], dtype: to
     }
     if any(name in NATIVE_KERNELS for name in names):  # the native kernels' own code
         facts["native"] = native.source_digest()
+        facts["isa"] = native.isa_level()
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -1,12 +1,19 @@
 """The CPU kernels of `cpu_kernels.c`, compiled for this machine at first use and loaded with
 ctypes.
 
-Why compiled here rather than shipped: the fastest code differs by CPU (AVX-512 on one
-machine, AVX2 on another), so the library is built with `-march=native` by the system C
-compiler (`$CC`, else `cc`) into the cache folder, keyed by the source, the compiler, the CPU
-model and its instruction-set flags: a restart, or another process, loads the built library without compiling (about a
-second when it does). No compiler, or a failed build: `library()` returns None, says why once
-in the log, and every caller keeps torch's kernels. `BATCHINFER_NATIVE=0` turns it off.
+Why compiled here rather than shipped: the fastest code differs by CPU, so the library is built
+by the system C compiler (`$CC`, else `cc`) into the cache folder, once per instruction-set
+level (`ISA_LEVELS`): `avx512` (`-march=native` on a CPU with AVX-512 F and BW), `avx2`
+(`-march=x86-64-v3`: AVX2, FMA, F16C) and `portable` (`-march=x86-64-v2`, the C loops the
+compiler vectorizes; `-march=native` off x86, where it is the only level). `library()` loads the
+best level the CPU reports, or the one `BATCHINFER_CPU_ISA` names (`auto` | `avx512` | `avx2` |
+`portable`; another name is a `ValueError`, a level the CPU lacks is logged and the best one
+below it loads instead); `isa_level()` says which. Only that level is compiled at start-up
+(about a second); the others are built when asked for (`library(level=...)`). Each build is
+keyed by the source, the compiler, the flags, the CPU model and its instruction-set flags: a
+restart, or another process, loads it without compiling. No compiler, or a failed build:
+`library()` returns None, says why once in the log, and every caller keeps torch's kernels.
+`BATCHINFER_NATIVE=0` turns it off.
 
 The library uses OpenMP; it links `libgomp.so.1`, the runtime torch's CPU build already
 loaded, so both share one thread pool instead of two competing for the cores.
@@ -37,9 +44,21 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -fno-strict-aliasing: 16-bit inputs are read as 32-bit pairs; -fno-math-errno: lrintf and
 # sqrtf become single instructions.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
-         "-fno-strict-aliasing", "-fno-math-errno")
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-strict-aliasing",
+                "-fno-math-errno")
 LIBS = ("-lm",)
+
+# The instruction-set levels a build targets, best first, and the CPU flags each needs (x86).
+ISA_LEVELS = ("avx512", "avx2", "portable")
+LEVEL_CPU_FLAGS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx2", "fma", "f16c"}),
+    # x86-64-v3: the compiler may use any of these (lzcnt is `abm`'s)
+    "avx2": frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
+    "portable": frozenset(),
+}
+X86_MACHINES = ("x86_64", "amd64", "AMD64")
+# x86-64-v2: every x86-64 CPU of the last fifteen years
+PORTABLE_X86_FLAGS = frozenset({"sse4_2", "ssse3", "popcnt", "cx16"})
 
 # Weight layouts of `bi_linear.kind` (see cpu_kernels.c).
 F32, Q4, Q8 = 0, 1, 2
@@ -79,10 +98,10 @@ KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_
 
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
-# `library()`'s answer for the default folder, by the environment that names the folder: the
-# prefill attention asks once a layer, so the common call is a dictionary lookup.
-_by_env: dict[tuple[str | None, str | None], ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}
+# `library()`'s answer for the default folder and level, by the environment that names them:
+# the prefill attention asks once a layer, so the common call is a dictionary lookup.
+_by_env: dict[tuple[str | None, ...], ctypes.CDLL | None] = {}
 
 
 def compiler() -> str | None:
@@ -96,27 +115,86 @@ def source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
 
 
-def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The built library (building it on first use), or None where it cannot be had."""
+def supported_levels(flags: frozenset[str] | None = None,
+                     machine: str | None = None) -> tuple[str, ...]:
+    """The levels of `ISA_LEVELS` a CPU with these instruction-set `flags` (default: this
+    one's) runs, best first; `portable` always (the only one off x86)."""
+    if (machine or platform.machine()) not in X86_MACHINES:
+        return ("portable",)
+    have = cpu_flags() if flags is None else flags
+    return tuple(level for level in ISA_LEVELS if LEVEL_CPU_FLAGS[level] <= have)
+
+
+def choose_level(requested: str | None, supported: Sequence[str]) -> str:
+    """The level to load: the best `supported` one for None, `""` or `auto`, else the one
+    `requested` names; one the CPU lacks is logged and the best supported one below it is
+    taken. An unknown name is a `ValueError`."""
+    name = (requested or "auto").strip().lower()
+    if name == "auto":
+        return supported[0]
+    if name not in ISA_LEVELS:
+        raise ValueError(f"BATCHINFER_CPU_ISA must be auto, {', '.join(ISA_LEVELS)}; "
+                         f"got {requested!r}")
+    if name in supported:
+        return name
+    below = [level for level in ISA_LEVELS[ISA_LEVELS.index(name):] if level in supported]
+    logger.warning("BATCHINFER_CPU_ISA=%s: this CPU lacks it (it runs %s); using %s", name,
+                   ", ".join(supported), below[0])
+    return below[0]
+
+
+def level_flags(level: str, machine: str | None = None,
+                flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build at `level` (one of `ISA_LEVELS`)."""
+    if level not in ISA_LEVELS:
+        raise ValueError(f"unknown ISA level {level!r}: one of {', '.join(ISA_LEVELS)}")
+    if (machine or platform.machine()) not in X86_MACHINES:
+        return ("-march=native", *COMMON_FLAGS)
+    if level == "avx512":
+        return ("-march=native", *COMMON_FLAGS)
+    if level == "avx2":
+        return ("-march=x86-64-v3", "-mtune=native", *COMMON_FLAGS)
+    have = cpu_flags() if flags is None else flags
+    arch = ("-march=x86-64-v2",) if have >= PORTABLE_X86_FLAGS else ()
+    return (*arch, "-mtune=native", *COMMON_FLAGS)
+
+
+def library(cache_dir: Path | None = None, level: str | None = None) -> ctypes.CDLL | None:
+    """The built library (building it on first use) at `level` (default: `BATCHINFER_CPU_ISA`,
+    else the best this CPU runs), or None where it cannot be had. A level the CPU lacks is
+    refused with a `ValueError` when asked for by argument (tests), logged and stepped down
+    from when named by the environment."""
     if os.environ.get("BATCHINFER_NATIVE", "1") == "0":
         return None
-    env = (os.environ.get("BATCHINFER_CACHE"), os.environ.get("HOME"))
+    env = (os.environ.get("BATCHINFER_CACHE"), os.environ.get("HOME"),
+           os.environ.get("BATCHINFER_CPU_ISA"), level)
     if cache_dir is None and env in _by_env:
         return _by_env[env]
+    supported = supported_levels()
+    if level is None:
+        level = choose_level(os.environ.get("BATCHINFER_CPU_ISA"), supported)
+    elif level not in supported:
+        raise ValueError(f"ISA level {level!r}: this CPU runs {', '.join(supported)}")
     folder = (cache_dir or default_cache_dir()) / "native"
-    key = str(folder)
+    key = (str(folder), level)
     with _lock:
         if key not in _loaded:
-            _loaded[key] = build_and_load(folder)
+            _loaded[key] = build_and_load(folder, level_flags(level))
         if cache_dir is None:
             _by_env[env] = _loaded[key]
         return _loaded[key]
 
 
-def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+def isa_level(lib: ctypes.CDLL | None = None) -> str | None:
+    """The instruction-set level `lib` (default: `library()`'s) was built for, or None where
+    the native kernels are not used."""
+    lib = library() if lib is None else lib
+    return None if lib is None else lib.bi_isa().decode()
+
+
+def build_and_load(folder: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """Build (unless built) and load the library with `flags` into `folder`; None, with the
-    reason logged, where that fails. `library()` uses `FLAGS`; tests also build the portable
-    C path of a machine without AVX-512 (`-march=x86-64-v2`)."""
+    reason logged, where that fails. `library()` builds with `level_flags(level)`."""
     cc = compiler()
     if cc is None:
         logger.warning("no C compiler (cc, or $CC): the native CPU kernels are not used")
@@ -144,6 +222,7 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
         logger.warning("the native CPU kernels are not used: %s", exc)
         return None
     lib.bi_avx512.restype = ctypes.c_int
+    lib.bi_isa.restype = ctypes.c_char_p
     lib.bi_linear_forward.argtypes = [ctypes.POINTER(Linear), ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.bi_linear_forward.restype = ctypes.c_int
@@ -184,8 +263,8 @@ def build_and_load(folder: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL 
     lib.bi_add_layer_norm_rows.restype = None
     lib.bi_gelu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.bi_gelu.restype = None
-    logger.info("native CPU kernels loaded from %s (%s)", target,
-                "AVX-512" if lib.bi_avx512() else "portable C")
+    logger.info("native CPU kernels loaded from %s (ISA level %s)", target,
+                lib.bi_isa().decode())
     return lib
 
 

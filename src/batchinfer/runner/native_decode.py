@@ -129,7 +129,7 @@ class NativeDecoder:
             "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "spec": [str(v) for v in astuple(self.model.spec)],
             "block_size": self.backend.block_size, "kv_dtype": str(self.backend.kv_dtype),
-            "source": native.source_digest(),
+            "source": native.source_digest(), "isa": native.isa_level(),
             "kernels": sorted({(m.kernels, tuple(f.struct.kind if f else -1 for f in m.native))
                                for m in linears}),
             # 8-bit inputs (`--prefill-activations int8`) speed up both sides' products

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from batchinfer import native
 from batchinfer.core.block_manager import cdiv
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
@@ -60,6 +61,9 @@ class Worker:
     linear_kernels: KernelPlan | None = None
     # Native kernels whose many-row products take 8-bit inputs (`prefill_activations int8`).
     int8_input_linears: int = 0
+    # The instruction-set level of the native CPU kernels in use (`native.isa_level()`); None
+    # where they are not (no compiler, BATCHINFER_NATIVE=0, CUDA).
+    cpu_isa: str | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Worker:
@@ -72,8 +76,9 @@ class Worker:
         kernels = loaded.model.choose_linear_kernels(
             config.quantization, config.linear_kernels, device, dtype, default_cache_dir(),
             config.prepack_weights, config.native_decode)
-        logger.info("linear kernels (%s; weights %s): %s", kernels.source, config.quantization,
-                    kernels.describe())
+        cpu_isa = native.isa_level() if device.type == "cpu" else None
+        logger.info("linear kernels (%s; weights %s; native ISA level %s): %s", kernels.source,
+                    config.quantization, cpu_isa or "none", kernels.describe())
         int8_linears = 0
         if config.prefill_activations == "int8":
             int8_linears = set_int8_inputs(loaded.model)
@@ -115,7 +120,7 @@ class Worker:
                                              max_model_len, loaded.spec.vocab_size)
             logger.info("preemption costs measured: %s", costs.describe())
         return cls(config, device, dtype, kv_dtype, loaded, runner, num_blocks, max_model_len,
-                   activation_bytes, num_swap_blocks, costs, kernels, int8_linears)
+                   activation_bytes, num_swap_blocks, costs, kernels, int8_linears, cpu_isa)
 
     # The facts the engine reads (see `engine.llm_engine.ModelWorker`).
     @property

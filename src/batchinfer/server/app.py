@@ -354,8 +354,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             entry = {"id": serving.model_name, "object": "model", "created": 0,
                      "owned_by": "batchinfer", "max_model_len": serving.llm.max_model_len}
             # Extension: the weight form, the linear kernels chosen at start-up, the row
-            # buckets whose decode steps run as one native call, and the prefill inputs' width
-            # (int8 only where some native kernel took it).
+            # buckets whose decode steps run as one native call, the prefill inputs' width
+            # (int8 only where some native kernel took it) and the native kernels' ISA level.
             worker = serving.llm.engine.worker
             plan = getattr(worker, "linear_kernels", None)
             if plan is not None:
@@ -365,6 +365,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 entry["native_decode"] = [] if decoder is None else decoder.bucket_names()
                 entry["prefill_activations"] = \
                     "int8" if getattr(worker, "int8_input_linears", 0) else "int16"
+                entry["cpu_isa"] = getattr(worker, "cpu_isa", None)
             data.append(entry)
         embedder = state.embeddings.target
         if embedder is not None:
