@@ -34,12 +34,12 @@ from ray import serve  # noqa: E402
 from batchinfer.bench.scrape import parse_metrics  # noqa: E402
 from batchinfer.cli.main import main  # noqa: E402
 from batchinfer.core.config import EngineConfig  # noqa: E402
+from batchinfer.integrations.ray_routing import prefix_key  # noqa: E402
 from batchinfer.integrations.ray_serve import (  # noqa: E402
     REPLICA_DEPLOYMENT,
     RayServeConfig,
     build_application,
     parse_autoscale,
-    prefix_key,
     replica_options,
 )
 from batchinfer.server.app import ServerConfig, build_app  # noqa: E402

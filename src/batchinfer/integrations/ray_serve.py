@@ -14,7 +14,7 @@ Two routings:
 - `default`: Ray Serve's own router (power of two choices on the replicas' ongoing requests).
 - `prefix`: the ingress hashes the start of each generation request's prompt (its first
   `prefix_chars` characters, or those of the chat messages' roles and texts: about the first
-  few KV blocks); `PrefixAffinityRouter` then prefers the replica that hash maps to
+  few KV blocks); `PrefixAffinityRouter` (`ray_routing`) prefers the replica that hash maps to
   (rendezvous hashing over the live replicas), so requests sharing a prefix meet the replica
   whose prefix cache already holds it, unless that replica is busier than the least busy one
   by more than `max_num_seqs` requests, when load wins.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import signal
@@ -48,20 +47,15 @@ from batchinfer.integrations.ray_cluster import (
     metrics_export_urls,
     require_ray,
 )
+from batchinfer.integrations.ray_routing import PrefixAffinityRouter, prefix_key
 from batchinfer.server.app import ServerConfig
 
 require_ray()
 from ray import serve  # noqa: E402
 from ray.serve.exceptions import BackPressureError  # noqa: E402
-from ray.serve.request_router import (  # noqa: E402
-    PendingRequest,
-    RequestRouter,
-    RunningReplica,
-)
 
 logger = logging.getLogger(__name__)
 ROUTINGS = ("default", "prefix")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 REPLICA_DEPLOYMENT = "BatchinferReplica"
 INGRESS_DEPLOYMENT = "BatchinferIngress"
 BATCH_OFF_ON_RAY = ("the Batch API is off on Ray Serve (each replica would keep its own jobs); "
@@ -166,7 +160,7 @@ def replica_options(engine_config: EngineConfig | None, server_config: ServerCon
         from ray.serve.config import RequestRouterConfig
 
         router: dict[str, Any] = {
-            "request_router_class": f"{__name__}.PrefixAffinityRouter",
+            "request_router_class": f"{PrefixAffinityRouter.__module__}.PrefixAffinityRouter",
             "request_router_kwargs": {"imbalance": seats}}
         options["request_router_config"] = RequestRouterConfig(**router)
     return options
@@ -320,80 +314,6 @@ class BatchinferReplica:
             elif not task.cancelled() and task.exception() is not None:
                 logger.error("request %s %s failed in the app", request["method"],
                              request["path"], exc_info=task.exception())
-
-
-def prefix_key(path: str, body: bytes, prefix_chars: int) -> str | None:
-    """The hash of a generation request's prompt start, or None (not one, or unreadable)."""
-    if path not in GENERATION_PATHS:
-        return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    text = _prompt_text(data)
-    if not text:
-        return None
-    return hashlib.blake2b(text[:prefix_chars].encode("utf-8", "replace"),
-                           digest_size=8).hexdigest()
-
-
-def _prompt_text(data: dict[str, Any]) -> str:
-    messages = data.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content
-                                  if isinstance(p, dict) and isinstance(p.get("text"), str))
-            parts.append(f"{message.get('role', '')}:{content if isinstance(content, str) else ''}")
-        return "\n".join(parts)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return " ".join(str(t) for t in prompt)
-    return ""
-
-
-class PrefixAffinityRouter(RequestRouter):
-    """Ray Serve request router: the replica a request's prefix key hashes to first, unless
-    it is busier than the least busy by more than `imbalance`; then (and for requests without
-    a key) power of two choices. No FIFO mixin: with it, a replica chosen for one request goes
-    to the oldest waiting one, which would shuffle prefixes between replicas under load."""
-
-    def initialize_state(self, imbalance: int = 64, **kwargs: Any) -> None:
-        self.imbalance = imbalance
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None
-                              ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        import random
-
-        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        key = pending_request.kwargs.get("prefix_key") if pending_request is not None else None
-        if key is None or len(candidate_replicas) == 1:
-            return [pair]
-        affine = max(candidate_replicas, key=lambda r: _rendezvous(key, r.replica_id.unique_id))
-        loads = [self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas]
-        known = [n for n in loads if n is not None]
-        affine_load = self.replica_queue_len_cache.get(affine.replica_id)
-        if affine_load is not None and known and affine_load > min(known) + self.imbalance:
-            return [pair]
-        return [[affine], pair]
-
-
-def _rendezvous(key: str, replica: str) -> int:
-    digest = hashlib.blake2b(f"{key}/{replica}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
 
 
 class BatchinferIngress:
