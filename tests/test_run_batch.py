@@ -118,7 +118,7 @@ def test_a_run_killed_mid_way_then_rerun_equals_an_uninterrupted_run(
                          messages=[{"role": "user", "content": "hi"}]))
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    same = [*flags(model), "--max-num-seqs", "2"]
+    same = [*flags(model), "--max-num-seqs", "2", "--num-threads", "1"]
     run = ["run-batch", "-i", str(source), "-o", str(target), "--max-in-flight", "2", *same]
     process = subprocess.Popen([sys.executable, "-m", "batchinfer.cli.main", *run],
                                stderr=subprocess.DEVNULL)
