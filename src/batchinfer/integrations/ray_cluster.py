@@ -24,6 +24,14 @@ def require_ray() -> ModuleType:
     return ray
 
 
+LOCAL_CLUSTER_DEADLINES = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_gcs_server_port_wait_time_s": "120",
+    "RAY_worker_register_timeout_seconds": "120",
+}
+
+
 def connect(address: str | None, **init_kwargs: Any) -> str | None:
     """Join the cluster at `address` ('auto': the one `ray start` made on this node), or at
     $RAY_ADDRESS, or start a local one when neither is given. Already connected (a test, a
@@ -39,6 +47,10 @@ def connect(address: str | None, **init_kwargs: Any) -> str | None:
         # (Ray's default, 10 s, is coarse next to a benchmark's scrapes); workers at normal
         # priority (Ray's default nice 15 lets any other process preempt an engine's OpenMP
         # threads mid-step, and each preemption stalls the whole step).
+        # Start-up deadlines a busy machine (a laptop) can meet: by default Serve's proxy is
+        # killed after three missed 5 s readiness checks. Ray's processes inherit them.
+        for name, value in LOCAL_CLUSTER_DEADLINES.items():
+            os.environ.setdefault(name, value)
         init_kwargs.setdefault("include_dashboard", False)
         init_kwargs.setdefault("_system_config", {"metrics_report_interval_ms": 2000,
                                                   "worker_niceness": 0})
