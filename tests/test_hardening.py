@@ -104,17 +104,21 @@ def test_a_streaming_client_that_leaves_while_queued_is_aborted_at_once(server):
     url, _ = server
     aborts = metric(url, 'batchinfer_request_success_total{finished_reason="abort"}')
     blocker = {"prompt": "hold the only seat", "max_tokens": 400, "ignore_eos": True}
+    generated = metric(url, "batchinfer_generation_tokens_total")
     with raw_request(url, blocker | {"stream": True}):
-        until(lambda: metric(url, "batchinfer_num_requests_running") == 1)
+        # The blocker runs and its prompt is counted (it has generated a token).
+        until(lambda: metric(url, "batchinfer_generation_tokens_total") > generated)
+        prefilled = metric(url, "batchinfer_prompt_tokens_total")
         queued = {"prompt": "wait in line", "max_tokens": 50, "stream": True}
         with raw_request(url, queued):
             until(lambda: metric(url, "batchinfer_num_requests_waiting") == 1)
-        # Left while queued: aborted without ever running, while the blocker still runs
-        # (within a few steps, far from the blocker's ~20 s).
-        until(lambda: metric(url, "batchinfer_num_requests_waiting") == 0, timeout_s=5)
+        # Left while queued: aborted without ever running (no prompt token of it prefilled),
+        # while the blocker still runs: counted in steps, not seconds.
+        until(lambda: metric(url, "batchinfer_num_requests_waiting") == 0)
         assert metric(url, 'batchinfer_request_success_total{finished_reason="abort"}') == (
             aborts + 1
         )
+        assert metric(url, "batchinfer_prompt_tokens_total") == prefilled
         assert metric(url, "batchinfer_num_requests_running") == 1
     until(lambda: metric(url, "batchinfer_kv_cache_usage_perc") == 0.0)
 
@@ -132,7 +136,7 @@ def test_embeddings_for_a_client_that_left_stop(server):
     texts = [f"item {i}: " + "a fairly long sentence to embed, " * 12 for i in range(1500)]
     with raw_request(url, {"input": texts}, path="/v1/embeddings"):
         until(lambda: items_done() > before)  # batches are running
-    until(lambda: metric(url, "batchinfer_encoder_num_items_waiting") == 0, timeout_s=5)
+    until(lambda: metric(url, "batchinfer_encoder_num_items_waiting") == 0)
     time.sleep(0.5)  # a batch that had started may finish; nothing after it
     processed = items_done() - before
     assert processed < 1500 / 2, processed

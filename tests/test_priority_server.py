@@ -54,6 +54,7 @@ def test_a_request_past_its_queue_time_gets_503_queue_timeout(server):
         started = time.monotonic()
         response = post(server, {"prompt": "hi", "max_tokens": 2, "timeout": 0.3})
         waited = time.monotonic() - started
+        answered_while_the_seat_was_held = not long.done()
         streamed = httpx.post(f"{server}/v1/completions", timeout=60, json={
             "model": "default", "prompt": "hi", "max_tokens": 2, "timeout": 0.2, "stream": True})
         assert long.result().status_code == 200
@@ -61,7 +62,8 @@ def test_a_request_past_its_queue_time_gets_503_queue_timeout(server):
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     error = response.json()["error"]
     assert error["code"] == "queue_timeout" and "queue" in error["message"]
-    assert 0.3 <= waited < 3.0  # answered at its deadline, not when the seat freed
+    # Answered at its deadline, not when the seat freed: the long request still ran.
+    assert waited >= 0.3 and answered_while_the_seat_was_held
     # A stream that times out before its first token: the status says so (no 200 + tokens).
     assert streamed.status_code == 503
     assert streamed.json()["error"]["code"] == "queue_timeout"
