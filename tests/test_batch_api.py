@@ -213,7 +213,9 @@ def batch_lines_run(url: str) -> float:
     return metric(url, 'batchinfer_e2e_request_latency_seconds_count{priority_class="batch"}')
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGTERM,
+                                                                marks=pytest.mark.slow)],
+                         ids=["kill", "term"])
 def test_stopped_mid_batch_then_restart_resumes(model_dir: str, tmp_path: Path,
                                                 how: signal.Signals) -> None:
     """SIGKILL loses nothing written; SIGTERM stops the job first (its running lines are

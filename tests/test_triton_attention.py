@@ -62,13 +62,15 @@ def test_triton_matches_sdpa_over_every_kv_dtype(kv_dtype):
     _assert_all_close(run_backend("triton", case, kv_dtype), expected, TOLERANCE[kv_dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_matches_sdpa_in_half_precision(dtype):
     case = make_case(SHAPES, 23, dtype, 6, 2, 16, 8)
     expected = run_backend("sdpa", case, dtype)
     _assert_all_close(run_backend("triton", case, dtype), expected, TOLERANCE[dtype])
 
 
+@SLOW
 def test_fp8_scales_are_folded_in_as_sdpa_does():
     """Calibrated per-layer scales (not 1.0): the same outputs as `sdpa` with the same scales."""
     case = make_case(SHAPES, 24, torch.float32, 6, 2, 16, 8)

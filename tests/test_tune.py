@@ -34,6 +34,7 @@ def tune_argv(model: Path, result_dir: Path, slo: str, max_configs: int) -> list
             "--dtype", "float32", "--kv-cache-memory", "16M", "--no-enable-prefix-caching"]
 
 
+@pytest.mark.slow  # a whole tune: servers started per configuration
 def test_tune_writes_a_config_that_serve_reads_back(
         model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "tune"
@@ -83,6 +84,7 @@ def test_tune_writes_a_config_that_serve_reads_back(
     assert (out / "runs.jsonl").stat().st_size > size
 
 
+@pytest.mark.slow  # a whole tune: servers started per configuration
 def test_an_slo_nothing_meets_exits_1_with_the_reason(
         model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(tune_argv(model, tmp_path / "t", "ttft_p99=0.001", max_configs=1)) == 1
