@@ -280,8 +280,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
     def chat(self) -> list[dict[str, str]]:
-        """The messages for the chat template (`render_messages`)."""
-        self.check_supported()
+        """The messages for the chat template (`render_messages`); the request's other fields
+        are checked by `sampling_params`, which the handler calls first."""
         return render_messages(self.messages)
 
     def sampling_params(self) -> SamplingParams:

@@ -105,7 +105,7 @@ class TritonBackend(BackendBase):
             raise RuntimeError(f"{self.name}: called before build()")
         q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
         key_cache, value_cache = self.kv_cache[layer_idx]
-        scales = self.layer_scales(layer_idx, k, v) if self.quantized else (1.0, 1.0)
+        scales = self.layer_scales(layer_idx, k, v)
         write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, scales)
         scale = q.shape[-1] ** -0.5
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
