@@ -67,7 +67,14 @@ class EngineConfig:
     """
 
     model: str = field(default="default", metadata=_help(
-        "'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file"))
+        "'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf file or "
+        "a Hugging Face Hub id org/name (fetched into the hub cache; HF_HUB_OFFLINE=1: the "
+        "cache only); an existing path wins over a hub id"))
+    revision: str | None = field(default=None, metadata=_help(
+        "hub ids: the branch, tag or commit to load; default: main"))
+    gguf_file: str | None = field(default=None, metadata=_help(
+        "load this .gguf file from the hub repo (or the local folder) --model names; only "
+        "that file is fetched"))
     dtype: str = field(default="auto", metadata=_help(
         "weights and activations: auto (bf16 where fast, else fp32), float32, bfloat16, float16"))
     device: str = field(default="auto", metadata=_help("auto (cuda if present), cpu or cuda"))
@@ -183,6 +190,12 @@ class EngineConfig:
             check_choice("preset", self.preset, tuple(PRESETS))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string")
+        for name in ("revision", "gguf_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.gguf_file is not None and not self.gguf_file.lower().endswith(".gguf"):
+            raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len)
         check_int("block_size", self.block_size)

@@ -19,8 +19,9 @@ from batchinfer.engine.processor import EngineRequest
 class LLM:
     """`LLM(model, **engine_knobs)`; `generate()` returns results in input order.
 
-    `model` is "default" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf
-    file; every `EngineConfig` field is accepted as a keyword (`dtype="float32"`,
+    `model` is "default" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf
+    file or a Hugging Face Hub id such as "Qwen/Qwen2.5-0.5B-Instruct" (with `revision=`, and
+    `gguf_file=` for one GGUF in the repo); every `EngineConfig` field is accepted as a keyword (`dtype="float32"`,
     `max_num_seqs=64`, `batching="static"`, ...).
     """
 

@@ -21,8 +21,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.files import read_json
 from batchinfer.models.gguf import convert_gguf
+from batchinfer.models.hub import resolve_source
 from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
-from batchinfer.models.registry import SourceKind, resolve_model_source
+from batchinfer.models.registry import SourceKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +43,18 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     cache_dir: Path | None = None,
+    *,
+    revision: str | None = None,
+    gguf_file: str | None = None,
 ) -> LoadedModel:
-    """Load `"default"`, a Hugging Face folder or a `.gguf` file; `ValueError` on bad input.
+    """Load `"default"`, a Hugging Face folder, a `.gguf` file or a hub id (`org/name`, at
+    `revision`; `gguf_file`: one `.gguf` in the repo); `ValueError` on bad input.
 
-    A GGUF is first converted into `cache_dir` (default `default_cache_dir()`); later loads
-    reuse that folder. Weights are cast to `dtype` and placed on `device`.
+    A hub id is fetched into the Hugging Face cache first (`models.hub`). A GGUF is first
+    converted into `cache_dir` (default `default_cache_dir()`); later loads reuse that folder.
+    Weights are cast to `dtype` and placed on `device`.
     """
-    source = resolve_model_source(model)
+    source = resolve_source(model, revision, gguf_file)
     folder = source.path
     if source.kind is SourceKind.GGUF:
         folder = convert_gguf(source.path, cache_dir or default_cache_dir())

@@ -72,7 +72,8 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        loaded = load_model(config.model, dtype, device)
+        loaded = load_model(config.model, dtype, device, revision=config.revision,
+                            gguf_file=config.gguf_file)
         kernels = loaded.model.choose_linear_kernels(
             config.quantization, config.linear_kernels, device, dtype, default_cache_dir(),
             config.prepack_weights, config.native_decode)

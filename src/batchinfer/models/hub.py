@@ -1,0 +1,193 @@
+"""Hugging Face Hub ids (`Qwen/Qwen2.5-0.5B-Instruct`) -> a folder or `.gguf` in the hub cache.
+
+`resolve_source` is what `load_model` calls first: `"default"` and any path that exists go to
+`registry.resolve_model_source` unchanged (an existing path always wins over an id of the same
+spelling); a string shaped like `org/name` is fetched through `huggingface_hub` into its own
+cache (`HF_HUB_CACHE`, else `HF_HOME/hub`), only the files the loader reads: config,
+generation config, safetensors (the index's shards, or `model.safetensors`), tokenizer and chat
+template files; with `gguf_file`, that one file and nothing else.
+
+The hub settings are read from the environment when a model is resolved, not when
+`huggingface_hub` is imported (its `constants` are fixed at import): `HF_HUB_OFFLINE=1` then
+means the cache only, passed to `huggingface_hub` as `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import hf_hub_download, snapshot_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from batchinfer.models.files import read_json
+from batchinfer.models.registry import (
+    DEFAULT_MODEL,
+    ModelSource,
+    SourceKind,
+    resolve_model_source,
+)
+
+# Everything the loader reads besides the weights (`load_model`, `load_tokenizer`): small files,
+# fetched first so the weights can be chosen from the index.
+FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates/*.jinja",
+)
+SINGLE_WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# org/name as the hub spells repo ids: no leading dot or dash, no "..", one slash.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES
+
+
+@dataclass(frozen=True, slots=True)
+class HubSettings:
+    """Where the hub cache is and whether the hub may be reached (`offline`: cache only)."""
+
+    cache_dir: Path
+    offline: bool
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> HubSettings:
+        """The settings `huggingface_hub` itself would take from these variables, read now."""
+        home = environ.get("HF_HOME") or os.path.join(
+            environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface")
+        cache = (environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
+                 or os.path.join(home, "hub"))
+        offline = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
+        return cls(Path(os.path.expandvars(cache)).expanduser(), offline.upper() in _TRUE)
+
+
+def is_hub_id(model: str) -> bool:
+    """True for strings shaped like a hub repo id, `org/name` (not checked against the hub)."""
+    return bool(_REPO_ID.match(model)) and ".." not in model and not model.endswith(".")
+
+
+def resolve_source(
+    model: str,
+    revision: str | None = None,
+    gguf_file: str | None = None,
+    settings: HubSettings | None = None,
+) -> ModelSource:
+    """`"default"`, a local folder or `.gguf`, or a hub id; `ValueError` naming `--model`.
+
+    `gguf_file` picks one `.gguf` inside a hub repo (or inside a local folder); `revision`
+    (branch, tag or commit; default `main`) applies to hub ids only. `settings` default to
+    `HubSettings.from_env()`.
+    """
+    local = Path(model).expanduser()
+    if model == DEFAULT_MODEL or local.exists() or not is_hub_id(model):
+        source = resolve_model_source(os.fspath(local / gguf_file) if gguf_file else model)
+        if revision is not None:
+            raise ValueError(f"revision {revision!r}: applies to hub ids (org/name) only, "
+                             f"not to model {model!r}")
+        return source
+    settings = settings or HubSettings.from_env()
+    if gguf_file is not None:
+        path = _download_file(model, gguf_file, revision, settings)
+        return ModelSource(SourceKind.GGUF, path, model)
+    return ModelSource(SourceKind.HF_FOLDER, _download_folder(model, revision, settings), model)
+
+
+def _download_folder(repo_id: str, revision: str | None, settings: HubSettings) -> Path:
+    """The snapshot folder holding `FOLDER_FILES` and the safetensors the index names."""
+    snapshot = Path(_call_hub(repo_id, revision, settings, lambda: snapshot_download(
+        repo_id, revision=revision, cache_dir=settings.cache_dir, allow_patterns=list(FOLDER_FILES),
+        local_files_only=settings.offline)))
+    if not (snapshot / "config.json").is_file():
+        where = f"the cached snapshot {snapshot}" if settings.offline else "the repo"
+        raise ValueError(f"model {repo_id!r} (--model): {where} has no config.json at revision "
+                         f"{revision or 'main'}; for a GGUF in it pass --gguf-file NAME.gguf"
+                         f"{_gguf_hint(snapshot)}")
+    weights = _weight_files(snapshot)
+    # The commit the first call resolved (the snapshot folder's name), so both calls read one
+    # state of the repo even if the branch moves in between.
+    commit = snapshot.name
+    _call_hub(repo_id, revision, settings, lambda: snapshot_download(
+        repo_id, revision=commit, cache_dir=settings.cache_dir, allow_patterns=weights,
+        local_files_only=settings.offline))
+    missing = [name for name in weights if not (snapshot / name).is_file()]
+    if missing:
+        raise ValueError(f"model {repo_id!r} (--model): the cached snapshot {snapshot} lacks "
+                         f"{', '.join(missing)}" + _offline_note(settings))
+    return snapshot
+
+
+def _weight_files(snapshot: Path) -> list[str]:
+    """The safetensors files the loader will open: the index's shards, else the single file."""
+    if not (snapshot / INDEX).is_file():
+        return [SINGLE_WEIGHTS]
+    weight_map = read_json(snapshot / INDEX).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{snapshot / INDEX}: field 'weight_map' is missing")
+    return sorted(set(map(str, weight_map.values())))
+
+
+def _download_file(repo_id: str, filename: str, revision: str | None,
+                   settings: HubSettings) -> Path:
+    if not filename.lower().endswith(".gguf"):
+        raise ValueError(f"gguf_file {filename!r}: expected a .gguf file name")
+    return Path(_call_hub(repo_id, revision, settings, lambda: hf_hub_download(
+        repo_id, filename, revision=revision, cache_dir=settings.cache_dir,
+        local_files_only=settings.offline), filename=filename))
+
+
+def _call_hub(repo_id: str, revision: str | None, settings: HubSettings, call: Callable[[], object],
+              filename: str | None = None) -> str:
+    """Run a `huggingface_hub` download; its errors become one-line `ValueError`s."""
+    what = f"model {repo_id!r} (--model)"
+    if filename is not None:
+        what += f", file {filename!r} (--gguf-file)"
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        result = call()
+    except (LocalEntryNotFoundError, FileNotFoundError) as exc:
+        if settings.offline:
+            raise ValueError(f"{what}{at}: not in the Hugging Face cache under "
+                             f"{settings.cache_dir}, and offline mode is on (HF_HUB_OFFLINE=1)"
+                             ) from exc
+        raise ValueError(f"{what}{at}: the hub cannot be reached and the cache under "
+                         f"{settings.cache_dir} does not hold it ({exc})") from exc
+    except RevisionNotFoundError as exc:
+        raise ValueError(f"revision {revision!r}: not found in {repo_id!r}") from exc
+    except GatedRepoError as exc:
+        raise ValueError(f"{what}: gated; accept its terms on the hub and set HF_TOKEN") from exc
+    except RepositoryNotFoundError as exc:
+        raise ValueError(f"{what}: no such repo on the hub (or it is private: set HF_TOKEN)"
+                         ) from exc
+    except EntryNotFoundError as exc:
+        raise ValueError(f"{what}{at}: no such file in the repo") from exc
+    except HfHubHTTPError as exc:
+        raise ValueError(f"{what}: the hub answered {exc}") from exc
+    return str(result)
+
+
+def _gguf_hint(snapshot: Path) -> str:
+    names = sorted(p.name for p in snapshot.glob("*.gguf"))
+    return f" (cached: {', '.join(names)})" if names else ""
+
+
+def _offline_note(settings: HubSettings) -> str:
+    return "; offline mode is on (HF_HUB_OFFLINE=1)" if settings.offline else ""
