@@ -17,7 +17,14 @@ from huggingface_hub.utils import filter_repo_objects
 from batchinfer import LLM, SamplingParams
 from batchinfer.cli.main import main
 from batchinfer.models import load_model
-from batchinfer.models.hub import FOLDER_FILES, HubSettings, is_hub_id, resolve_source
+from batchinfer.models.encoder import Encoder, default_encoder_path
+from batchinfer.models.hub import (
+    ENCODER_FILES,
+    FOLDER_FILES,
+    HubSettings,
+    is_hub_id,
+    resolve_source,
+)
 from batchinfer.models.registry import SourceKind
 from tests.tiny_models import make_tiny_gguf, make_tiny_llama
 
@@ -48,8 +55,12 @@ def add_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, Path],
     return snapshot
 
 
-def folder_files(folder: Path) -> dict[str, Path]:
-    return {p.name: p for p in folder.iterdir() if p.is_file()}
+def folder_files(folder: Path, small_files: tuple[str, ...] = FOLDER_FILES) -> dict[str, Path]:
+    """The files of `folder` a fetch would bring (`small_files` and the weights): the load tests
+    then also prove that the loader needs nothing else."""
+    names = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    kept = [*filter_repo_objects(names, allow_patterns=list(small_files)), "model.safetensors"]
+    return {name: folder / name for name in kept}
 
 
 @pytest.fixture
@@ -66,8 +77,10 @@ def hub_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_settings_follow_the_environment_read_now(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"HF_HOME": "/x/hf", "HF_HUB_OFFLINE": "1"}
     assert HubSettings.from_env(env) == HubSettings(Path("/x/hf/hub"), offline=True)
-    env = {"HF_HOME": "/x/hf", "HF_HUB_CACHE": "/y/hub", "TRANSFORMERS_OFFLINE": "0"}
-    assert HubSettings.from_env(env) == HubSettings(Path("/y/hub"), offline=False)
+    env = {"HF_HOME": "/x/hf", "HF_HUB_CACHE": "/y/hub", "TRANSFORMERS_OFFLINE": "0",
+           "HF_ENDPOINT": "http://mirror:8080"}
+    assert HubSettings.from_env(env) == HubSettings(Path("/y/hub"), offline=False,
+                                                    endpoint="http://mirror:8080")
 
 
 def test_hub_id_shape() -> None:
@@ -149,6 +162,24 @@ def test_missing_model_offline_is_a_clear_error(hub_env: Path) -> None:
     assert "offline mode is on" in message
     with pytest.raises(ValueError, match="revision 'v9'.*not in the Hugging Face cache"):
         resolve_source(REPO_ID, revision="v9")
+
+
+def test_encoder_by_hub_id(hub_env: Path) -> None:
+    """`embed --model` / `--embedding-model` take hub ids too (sentence-transformers' files)."""
+    folder = default_encoder_path()
+    files = folder_files(folder, ENCODER_FILES)
+    assert {"modules.json", "1_Pooling/config.json", "sentence_bert_config.json"} <= set(files)
+    add_snapshot(hub_env, "sentence-transformers/all-MiniLM-L6-v2", COMMIT_MAIN, files)
+    quick = {"dtype": "float32", "device": "cpu", "linear_kernels": "dense",
+             "prepack_weights": False}  # no start-up measurements: the load is under test
+    by_id = Encoder("sentence-transformers/all-MiniLM-L6-v2", **quick)
+    direct = Encoder(str(folder), **quick)
+    assert by_id.name == "all-MiniLM-L6-v2" and by_id.pooling == direct.pooling
+    texts = ["a first sentence", "and a second, longer one"]
+    assert torch.equal(by_id.encode_ids(by_id.tokenize(texts)),
+                       direct.encode_ids(direct.tokenize(texts)))
+    with pytest.raises(ValueError, match="'nobody/none' .*not in the Hugging Face cache"):
+        Encoder("nobody/none")
 
 
 def test_cached_snapshot_missing_a_shard(tmp_path: Path, hub_env: Path) -> None:

@@ -42,7 +42,8 @@ class EmbeddingConfig:
     `batchinfer serve` takes `--embedding-model` and `--embedding-quantization`."""
 
     model: str = field(default="default", metadata={
-        "help": "'default' (embedded all-MiniLM-L6-v2) or a local Hugging Face folder"})
+        "help": "'default' (embedded all-MiniLM-L6-v2), a local Hugging Face folder or "
+                "a hub id (org/name)"})
     dtype: str = field(default="auto", metadata={
         "help": "auto (bfloat16 where the hardware has fast bf16, else float32), float32, "
                 "bfloat16"})

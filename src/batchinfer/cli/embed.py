@@ -39,8 +39,10 @@ def register(subparsers: Any) -> None:
                     help="show a progress bar on stderr (default: on)")
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="default",
-                       help="'default' (embedded all-MiniLM-L6-v2) or a local Hugging Face "
-                       "folder (default: default)")
+                       help="'default' (embedded all-MiniLM-L6-v2), a local Hugging Face "
+                       "folder or a hub id such as sentence-transformers/all-MiniLM-L6-v2 "
+                       "(fetched into the hub cache; HF_HUB_OFFLINE=1: the cache only) "
+                       "(default: default)")
     model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="auto: bfloat16 where the hardware has fast bf16, else float32 "
                        "(default: auto)")

@@ -74,8 +74,8 @@ def register(subparsers: Any) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for running requests (default: 30)")
     server.add_argument("--embedding-model", default=None,
-                        help="also serve /v1/embeddings with this encoder (with --model none: "
-                        "embeddings only)")
+                        help="also serve /v1/embeddings with this encoder: 'default', a folder "
+                        "or a hub id (with --model none: embeddings only)")
     server.add_argument("--embedding-quantization", default="none",
                         choices=ENCODER_QUANTIZATIONS,
                         help="the encoder's weights: int8 (per output channel) or q8 (8-bit in "

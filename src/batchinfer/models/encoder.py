@@ -29,6 +29,7 @@ from batchinfer.core.config import ENCODER_QUANTIZATIONS
 from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.files import read_json
 from batchinfer.models.hardware import resolve_device, resolve_dtype
+from batchinfer.models.hub import is_hub_id, resolve_encoder_folder
 from batchinfer.models.linear_kernels import apply_kernels, native_available
 from batchinfer.models.packed_encoder import PackedEncoder, packed_supported
 
@@ -90,13 +91,16 @@ def default_encoder_path() -> Path:
 
 
 def resolve_encoder_path(model: str) -> Path:
-    """`"default"` or a local folder with a Hugging Face `config.json`; `ValueError` otherwise."""
+    """`"default"`, a local folder with a Hugging Face `config.json` or a hub id (`org/name`,
+    fetched into the hub cache by `models.hub`); `ValueError` otherwise."""
     if model == "default":
         return default_encoder_path()
     path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(model):
+        return resolve_encoder_folder(model)
     if not (path / "config.json").is_file():
-        raise ValueError(f"model must be 'default' or a local Hugging Face folder with a "
-                         f"config.json; got {model!r}")
+        raise ValueError(f"model must be 'default', a local Hugging Face folder with a "
+                         f"config.json or a hub id (org/name); got {model!r}")
     return path
 
 
@@ -199,7 +203,8 @@ class Encoder:
             raise ValueError(f"quantization must be one of {', '.join(ENCODER_QUANTIZATIONS)}, "
                              f"got {quantization!r}")
         self.path = resolve_encoder_path(model)
-        self.name = DEFAULT_ENCODER_NAME if model == "default" else self.path.name
+        # A hub id's folder is a snapshot named by its commit: the name is the repo's.
+        self.name = DEFAULT_ENCODER_NAME if model == "default" else Path(model).expanduser().name
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, ENCODER_DTYPES)
         self.pooling = PoolingConfig.from_folder(self.path)

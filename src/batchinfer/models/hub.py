@@ -9,7 +9,8 @@ template files; with `gguf_file`, that one file and nothing else.
 
 The hub settings are read from the environment when a model is resolved, not when
 `huggingface_hub` is imported (its `constants` are fixed at import): `HF_HUB_OFFLINE=1` then
-means the cache only, passed to `huggingface_hub` as `local_files_only=True`.
+means the cache only, passed to `huggingface_hub` as `local_files_only=True`; `HF_ENDPOINT` a
+mirror.
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ FOLDER_FILES = (
     "added_tokens.json",
     "tokenizer.model",
     "vocab.json",
+    "vocab.txt",
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
     "additional_chat_templates/*.jinja",
 )
+# A sentence encoder's (models/encoder.py): the modules list, each module's config (pooling
+# modes) and sentence-transformers' settings (max length, lower-casing) too.
+ENCODER_FILES = (*FOLDER_FILES, "modules.json", "sentence_bert_config.json",
+                 "config_sentence_transformers.json", "[0-9]_*/config.json")
 SINGLE_WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # org/name as the hub spells repo ids: no leading dot or dash, no "..", one slash.
@@ -64,10 +70,12 @@ _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES
 
 @dataclass(frozen=True, slots=True)
 class HubSettings:
-    """Where the hub cache is and whether the hub may be reached (`offline`: cache only)."""
+    """Where the hub cache is, whether the hub may be reached (`offline`: cache only) and at
+    which address (`endpoint`; None: huggingface.co)."""
 
     cache_dir: Path
     offline: bool
+    endpoint: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> HubSettings:
@@ -77,7 +85,8 @@ class HubSettings:
         cache = (environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
                  or os.path.join(home, "hub"))
         offline = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
-        return cls(Path(os.path.expandvars(cache)).expanduser(), offline.upper() in _TRUE)
+        return cls(Path(os.path.expandvars(cache)).expanduser(), offline.upper() in _TRUE,
+                   environ.get("HF_ENDPOINT") or None)
 
 
 def is_hub_id(model: str) -> bool:
@@ -108,14 +117,22 @@ def resolve_source(
     if gguf_file is not None:
         path = _download_file(model, gguf_file, revision, settings)
         return ModelSource(SourceKind.GGUF, path, model)
-    return ModelSource(SourceKind.HF_FOLDER, _download_folder(model, revision, settings), model)
+    folder = _download_folder(model, revision, settings, FOLDER_FILES)
+    return ModelSource(SourceKind.HF_FOLDER, folder, model)
 
 
-def _download_folder(repo_id: str, revision: str | None, settings: HubSettings) -> Path:
-    """The snapshot folder holding `FOLDER_FILES` and the safetensors the index names."""
+def resolve_encoder_folder(model: str, settings: HubSettings | None = None) -> Path:
+    """A sentence encoder's folder for the hub id `model` (branch main), fetched as
+    `resolve_source` fetches a generative model's, with `ENCODER_FILES`."""
+    return _download_folder(model, None, settings or HubSettings.from_env(), ENCODER_FILES)
+
+
+def _download_folder(repo_id: str, revision: str | None, settings: HubSettings,
+                     small_files: tuple[str, ...]) -> Path:
+    """The snapshot folder holding `small_files` and the safetensors the index names."""
     snapshot = Path(_call_hub(repo_id, revision, settings, lambda: snapshot_download(
-        repo_id, revision=revision, cache_dir=settings.cache_dir, allow_patterns=list(FOLDER_FILES),
-        local_files_only=settings.offline)))
+        repo_id, revision=revision, cache_dir=settings.cache_dir, allow_patterns=list(small_files),
+        local_files_only=settings.offline, endpoint=settings.endpoint)))
     if not (snapshot / "config.json").is_file():
         where = f"the cached snapshot {snapshot}" if settings.offline else "the repo"
         raise ValueError(f"model {repo_id!r} (--model): {where} has no config.json at revision "
@@ -127,7 +144,7 @@ def _download_folder(repo_id: str, revision: str | None, settings: HubSettings) 
     commit = snapshot.name
     _call_hub(repo_id, revision, settings, lambda: snapshot_download(
         repo_id, revision=commit, cache_dir=settings.cache_dir, allow_patterns=weights,
-        local_files_only=settings.offline))
+        local_files_only=settings.offline, endpoint=settings.endpoint))
     missing = [name for name in weights if not (snapshot / name).is_file()]
     if missing:
         raise ValueError(f"model {repo_id!r} (--model): the cached snapshot {snapshot} lacks "
@@ -151,7 +168,7 @@ def _download_file(repo_id: str, filename: str, revision: str | None,
         raise ValueError(f"gguf_file {filename!r}: expected a .gguf file name")
     return Path(_call_hub(repo_id, revision, settings, lambda: hf_hub_download(
         repo_id, filename, revision=revision, cache_dir=settings.cache_dir,
-        local_files_only=settings.offline), filename=filename))
+        local_files_only=settings.offline, endpoint=settings.endpoint), filename=filename))
 
 
 def _call_hub(repo_id: str, revision: str | None, settings: HubSettings, call: Callable[[], object],
