@@ -5,6 +5,7 @@ laid out as `huggingface_hub` lays it out, made here, with offline mode on (no h
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub.utils import filter_repo_objects
+from safetensors.torch import load_file
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.cli.main import main
@@ -26,6 +28,7 @@ from batchinfer.models.hub import (
     resolve_source,
 )
 from batchinfer.models.registry import SourceKind
+from tests.fake_hub import FakeHub
 from tests.tiny_models import make_tiny_gguf, make_tiny_llama
 
 REPO_ID = "tiny-org/tiny-llama"
@@ -206,6 +209,46 @@ def test_an_existing_local_path_wins(tmp_path: Path, hub_env: Path,
     assert (source.kind, source.path) == (SourceKind.HF_FOLDER, Path(REPO_ID))
     with pytest.raises(ValueError, match="revision 'v2': applies to hub ids"):
         resolve_source(REPO_ID, revision="v2")
+
+
+def test_online_fetches_only_what_the_loader_reads(tmp_path: Path, hub_env: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a hub on 127.0.0.1: a repo with duplicates the loader never reads (.bin,
+    consolidated.safetensors, ONNX, a GGUF, a shard the index does not name), sharded weights;
+    then, with the hub gone, online and offline mode find the same snapshot in the cache."""
+    folder = make_tiny_llama(tmp_path)
+    weights = (folder / "model.safetensors").read_bytes()
+    files = {name: path.read_bytes() for name, path in folder_files(folder).items()
+             if name != "model.safetensors"}
+    files |= {"model-00001-of-00001.safetensors": weights,
+              "model.safetensors.index.json": json.dumps({"weight_map": dict.fromkeys(
+                  load_file(folder / "model.safetensors"), "model-00001-of-00001.safetensors")
+              }).encode(),
+              "model-old.safetensors": b"stale", "consolidated.safetensors": b"dup",
+              "pytorch_model.bin": b"pickle", "onnx/model.onnx": b"onnx", "README.md": b"# r",
+              "tiny-q8_0.gguf": b"gguf"}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with FakeHub({REPO_ID: {"main": files}}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        source = resolve_source(REPO_ID)
+        fetched = {name.removeprefix(REPO_ID + "/") for name in hub.downloads}
+        assert fetched == set(files) - {"model-old.safetensors", "consolidated.safetensors",
+                                        "pytorch_model.bin", "onnx/model.onnx", "README.md",
+                                        "tiny-q8_0.gguf"}
+        assert source.path.parent == hub_env / "models--tiny-org--tiny-llama" / "snapshots"
+        with pytest.raises(ValueError, match="'nobody/none' .*no such repo on the hub"):
+            resolve_source("nobody/none")
+        with pytest.raises(ValueError, match="revision 'v9': not found in 'tiny-org/tiny-llama'"):
+            resolve_source(REPO_ID, revision="v9")
+        with pytest.raises(ValueError, match=r"file 'x\.gguf' \(--gguf-file\).*no such file"):
+            resolve_source(REPO_ID, gguf_file="x.gguf")
+    # The hub is gone: online, the cached snapshot of the revision is used; so is it offline.
+    assert resolve_source(REPO_ID).path == source.path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_source(REPO_ID).path == source.path
+    got = load_model(REPO_ID, torch.float32, "cpu").model.state_dict()
+    want = load_model(str(folder), torch.float32, "cpu").model.state_dict()
+    assert all(torch.equal(got[name], want[name]) for name in want)
 
 
 def cli_generate(model: str, prompt: str = "hello world") -> list[str]:
