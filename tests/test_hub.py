@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from huggingface_hub.utils import filter_repo_objects
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.cli.main import main
+from batchinfer.core.config import EngineConfig
 from batchinfer.models import load_model
 from batchinfer.models.encoder import Encoder, default_encoder_path
 from batchinfer.models.hub import (
@@ -28,7 +30,9 @@ from batchinfer.models.hub import (
     resolve_source,
 )
 from batchinfer.models.registry import SourceKind
+from batchinfer.server.app import ServerConfig, build_app
 from tests.fake_hub import FakeHub
+from tests.test_server import run_server
 from tests.tiny_models import make_tiny_gguf, make_tiny_llama
 
 REPO_ID = "tiny-org/tiny-llama"
@@ -148,6 +152,9 @@ def test_gguf_file_in_a_hub_repo(tmp_path: Path, hub_env: Path) -> None:
     got, want = by_id.model.state_dict(), direct.model.state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[name], want[name]) for name in got)
+    # --gguf-file also picks a file inside a local folder.
+    local = resolve_source(str(gguf_path.parent), gguf_file=gguf_path.name)
+    assert (local.kind, local.path) == (SourceKind.GGUF, gguf_path)
     # The repo has no config.json: without --gguf-file the error says to pass it.
     with pytest.raises(ValueError, match=r"no config\.json.*--gguf-file.*tiny-Q8_0\.gguf"):
         resolve_source("tiny-org/tiny-llama-GGUF")
@@ -249,6 +256,21 @@ def test_online_fetches_only_what_the_loader_reads(tmp_path: Path, hub_env: Path
     got = load_model(REPO_ID, torch.float32, "cpu").model.state_dict()
     want = load_model(str(folder), torch.float32, "cpu").model.state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_serve_answers_under_the_hub_id(tmp_path: Path, hub_env: Path) -> None:
+    folder = make_tiny_llama(tmp_path)
+    add_snapshot(hub_env, REPO_ID, COMMIT_MAIN, folder_files(folder))
+    direct = LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20)
+    want = direct.generate(["hello world"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    config = EngineConfig.from_kwargs(model=REPO_ID, revision="main", dtype="float32",
+                                      kv_cache_memory=16 << 20)
+    with run_server(build_app(config, ServerConfig(batch_api=False))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [REPO_ID]
+        answer = client.completions.create(model=REPO_ID, prompt="hello world", max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == want
 
 
 def cli_generate(model: str, prompt: str = "hello world") -> list[str]:
