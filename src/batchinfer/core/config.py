@@ -21,7 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "sdpa", "gather", "cpu_sparse", "triton")
 SCHEDULING_POLICIES = tuple(POLICIES)  # fcfs, priority: one class each in core.scheduling
-QUANTIZATIONS = ("none", "int8", "q8", "q4")
+QUANTIZATIONS = ("auto", "none", "int8", "q8", "q4")
 ENCODER_QUANTIZATIONS = ("none", "int8", "q8")  # an encoder's weights
 PREFILL_ACTIVATIONS = ("int16", "int8")
 LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "int8_native", "q4",
@@ -107,8 +107,11 @@ class EngineConfig:
         "CPU threads for torch; default: all cores"))
     prepack_weights: bool = field(default=True, metadata=_help(
         "CPU float32: let linear layers use oneDNN's packed layout where it measures faster"))
-    quantization: str = field(default="none", metadata=_help(
-        "weight-only quantization of the linear layers: none, int8 (per output channel; a "
+    quantization: str = field(default="auto", metadata=_help(
+        "weight-only quantization of the linear layers: auto (a quantized checkpoint, such as "
+        "a Q4 GGUF, keeps its own form, q4 or q8, where a decode pass over its linears "
+        "measured faster than float32's at start-up on this machine, else float32; a float "
+        "checkpoint stays float), none, int8 (per output channel; a "
         "quarter of float32's bytes), q8 (8-bit in groups of 32 with a scale, as GGUF's Q8_0; "
         "CPU native kernels), q4 (4-bit in groups of 32 with a scale and a zero, as GGUF's "
         "Q4_1; an eighth)"))

@@ -18,7 +18,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from batchinfer.models.files import write_cache_json
 from batchinfer.models.llama import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,8 @@ logger = logging.getLogger(__name__)
 # Bump when the folder layout changes, so older cache entries are not reused.
 CONVERTER_VERSION = 1
 SHARD_BYTES = 2 * 1024**3
+# The converted folder's record of how the GGUF stored its matrices (`weight_format`).
+STORED_FORMAT = "gguf_weight_format.json"
 
 # GGUF `general.architecture` -> (HF architecture, model_type, Q/K rows permuted by llama.cpp)
 _ARCHITECTURES = {
@@ -98,12 +103,69 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     return target
 
 
+# The weight form (`--quantization`) that holds a GGUF tensor type: Q4_1 and Q8_0 exactly (the
+# same grids: a block's integers come back unchanged), the other 1-4-bit types on q4's grid and
+# the 5-8-bit ones on q8's (re-rounded: each block's values to the nearest point of the grid),
+# floats as they are.
+_EXACT_FORMS = {"Q4_1": "q4", "Q8_0": "q8"}
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_EIGHT_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_1", "Q8_K", "I8")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """What a GGUF's decoder-layer matrices are stored as, and the form that holds them."""
+
+    stored_type: str  # GGUF: the most common type of the `blk.*` matrices, e.g. "Q4_1"
+    form: str  # "none", "q8" or "q4"
+    exact: bool  # the form holds the stored values unchanged
+
+    def describe(self) -> str:
+        how = "exactly" if self.exact else "re-rounded to its grid"
+        return f"{self.stored_type} ({self.form}, {how})" if self.form != "none" else self.stored_type
+
+
+def weight_format(gguf_path: Path, folder: Path | None = None) -> WeightFormat:
+    """The stored form of the decoder layers' matrices (their most common GGML type); read
+    from `folder`'s `STORED_FORMAT` file, which the conversion wrote, where it has one
+    (reading a GGUF's tensor index takes seconds), else written there once read."""
+    if folder is not None:
+        try:
+            return WeightFormat(**json.loads((folder / STORED_FORMAT).read_text()))
+        except (OSError, ValueError, TypeError):
+            pass  # converted by an older version: read the GGUF
+    stored = _weight_format(_open(gguf_path))
+    if folder is not None:
+        _write_weight_format(folder, stored)
+    return stored
+
+
+def _write_weight_format(folder: Path, stored: WeightFormat) -> None:
+    write_cache_json(folder / STORED_FORMAT, {"stored_type": stored.stored_type,
+                                              "form": stored.form, "exact": stored.exact},
+                     "the weight format")
+
+
+def _weight_format(reader: gguf.GGUFReader) -> WeightFormat:
+    counts = Counter(tensor.tensor_type.name for tensor in reader.tensors
+                     if tensor.name.startswith("blk.") and len(tensor.shape) == 2)
+    if not counts:
+        return WeightFormat("F32", "none", True)
+    ggml_type = counts.most_common(1)[0][0]
+    if ggml_type in _EXACT_FORMS:
+        return WeightFormat(ggml_type, _EXACT_FORMS[ggml_type], True)
+    if ggml_type in _FLOAT_TYPES:
+        return WeightFormat(ggml_type, "none", True)
+    return WeightFormat(ggml_type, "q8" if ggml_type in _EIGHT_BIT_TYPES else "q4", False)
+
+
 def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     """Write config, weights, tokenizer and generation config of `gguf_path` into `out_dir`."""
     reader = _open(gguf_path)
     config = _hf_config(reader, gguf_path)
     _write_weights(out_dir, _hf_tensors(reader, gguf_path, config))
     _write_tokenizer(gguf_path, out_dir)
+    _write_weight_format(out_dir, _weight_format(reader))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {
         key: config[key]

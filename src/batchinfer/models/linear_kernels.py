@@ -48,7 +48,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import platform
 import statistics
 import time
@@ -62,6 +61,7 @@ from torch import nn
 
 from batchinfer import native
 from batchinfer.core.cpu import cpu_model
+from batchinfer.models.files import write_cache_json
 from batchinfer.models.prepack import PackedLinear, prepack_supported
 from batchinfer.native.linear import (
     NativeLinear,
@@ -601,16 +601,89 @@ def choose_kernels(
     if path is not None:
         seconds = {name: [{f"{n}x{k}": t for (n, k), t in bucket.items()} for bucket in buckets]
                    for name, buckets in timings.items()}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per writer: no torn files
-            tmp.write_text(json.dumps({"cpu": cpu_model(), "torch": torch.__version__,
-                                       "choice": plan.as_json(), "seconds_per_pass": seconds},
-                                      indent=1))
-            tmp.replace(path)
-        except OSError as exc:
-            logger.warning("could not cache the linear kernel choice in %s: %s", path, exc)
+        write_cache_json(path, {"cpu": cpu_model(), "torch": torch.__version__,
+                                "choice": plan.as_json(), "seconds_per_pass": seconds},
+                         "the linear kernel choice")
     return plan
+
+
+@dataclass(frozen=True, slots=True)
+class FormChoice:
+    """`quantization auto`'s answer: the weight form to run, and why (for the start-up log)."""
+
+    form: str
+    reason: str
+
+
+# `quantization auto` compares the weight forms at these row counts: a decode step of one
+# sequence, where a quantized weight's fewer bytes pay most, and of a few.
+FORM_PROBE_ROWS = (1, 8)
+
+
+def choose_weight_form(module: nn.Module, stored_form: str, stored: str, device: torch.device,
+                       dtype: torch.dtype, cache_dir: Path | None, allow_packed: bool = True,
+                       heads: Collection[str] = ()) -> FormChoice:
+    """`quantization auto`: keep a checkpoint stored as `stored_form` (q4, q8; `stored` says
+    how, for the log) in that form where a one-row pass over the decoder linears (`module`'s
+    `nn.Linear`s but `heads`), each shape at its fastest kernel, measured faster than
+    float32's; else dequantize (`none`). Floats stay floats without measuring. The timings are
+    cached like the kernel choice, so a restart measures nothing."""
+    if stored_form == "none":
+        return FormChoice("none", f"the checkpoint stores {stored}: float weights")
+    quantized = candidates(stored_form, device, dtype, allow_packed)
+    if not quantized or (stored_form == "q8" and "q8_native" not in quantized):
+        return FormChoice("none", f"the checkpoint stores {stored}, whose kernels do not run "
+                                  f"here ({device}, {dtype}): float weights")
+    floats = candidates("none", device, dtype, allow_packed)
+    sites = [WeightForms(child.weight, child.bias) for name, child in module.named_modules()
+             if isinstance(child, nn.Linear) and name not in heads]
+    all_shapes = [(f.weight.shape[0], f.weight.shape[1]) for f in sites]
+    path = None
+    seconds: dict[str, list[float]] | None = None
+    if cache_dir is not None:
+        key = cache_key(all_shapes, (*quantized, "|", *floats), dtype, device, FORM_PROBE_ROWS)
+        path = cache_dir / "weight-forms" / f"{key}.json"
+        try:
+            seconds = {form: [float(t) for t in stored_seconds] for form, stored_seconds
+                       in json.loads(path.read_text())["seconds_per_pass"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            seconds = None  # not measured yet here, or unreadable: measure
+    if seconds is None or set(seconds) != {stored_form, "none"}:
+        seconds = {"none": _pass_seconds(sites, floats, dtype, fallback=None),
+                   stored_form: _pass_seconds(sites, quantized, dtype, fallback="dense")}
+        if path is not None:
+            write_cache_json(path, {"cpu": cpu_model(), "rows": FORM_PROBE_ROWS,
+                                    "seconds_per_pass": seconds}, "the weight form choice")
+    for forms in sites:
+        forms.release()
+    ms = {form: " / ".join(f"{t * 1e3:.2f}" for t in values) for form, values in seconds.items()}
+    measured = (f"a pass over the decoder linears at {' / '.join(map(str, FORM_PROBE_ROWS))} "
+                f"rows: {stored_form} {ms[stored_form]} ms, float32 {ms['none']} ms")
+    if seconds[stored_form][0] < seconds["none"][0]:
+        return FormChoice(stored_form, f"the checkpoint stores {stored}; kept: {measured}")
+    return FormChoice("none", f"the checkpoint stores {stored}; dequantized to float32, "
+                              f"faster here: {measured}")
+
+
+def _pass_seconds(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dtype,
+                  fallback: str | None) -> list[float]:
+    """Per `FORM_PROBE_ROWS` entry, the seconds of one pass over `sites` with each shape at its
+    fastest of `names`; a shape none of them takes at its `fallback`'s time (the float weights
+    a quantized model keeps there)."""
+    names = list(names) + ([fallback] if fallback and fallback not in names else [])
+    timings = measure(sites, names, dtype, FORM_PROBE_ROWS)
+    shapes = list(dict.fromkeys((f.weight.shape[0], f.weight.shape[1]) for f in sites))
+    own = [n for n in names if n != fallback]
+    totals = []
+    for bucket in range(len(FORM_PROBE_ROWS)):
+        total = 0.0
+        for shape in shapes:
+            best = min(timings[n][bucket].get(shape, math.inf) for n in own)
+            if math.isinf(best) and fallback is not None:
+                best = timings[fallback][bucket].get(shape, math.inf)
+            total += best
+        totals.append(total)
+    return totals
 
 
 def runnable(forms: WeightForms, name: str) -> str:

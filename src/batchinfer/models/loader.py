@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.files import read_json
-from batchinfer.models.gguf import convert_gguf
+from batchinfer.models.gguf import WeightFormat, convert_gguf, weight_format
 from batchinfer.models.hub import resolve_source
 from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
 from batchinfer.models.registry import SourceKind
@@ -36,6 +36,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     path: Path  # the Hugging Face folder actually loaded (the cache folder for a GGUF)
     name: str  # the model id to show
+    # How the checkpoint stores its decoder layers' matrices (`--quantization auto` keeps a
+    # quantized one in its own form where that measures faster); a folder's are floats.
+    stored: WeightFormat = WeightFormat("float", "none", True)
 
 
 def load_model(
@@ -56,15 +59,17 @@ def load_model(
     """
     source = resolve_source(model, revision, gguf_file)
     folder = source.path
+    stored = WeightFormat("float", "none", True)
     if source.kind is SourceKind.GGUF:
         folder = convert_gguf(source.path, cache_dir or default_cache_dir())
+        stored = weight_format(source.path, folder)
     config = read_json(folder / "config.json")
     spec = ModelSpec.from_hf_config(config, source=os.fspath(folder / "config.json"))
     net = load_weights(folder, spec, dtype, torch.device(device))
     tokenizer = load_tokenizer(folder)
     generation_config = read_json(folder / "generation_config.json", required=False)
     eos_token_ids = _eos_token_ids(config, generation_config, tokenizer)
-    return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, source.name)
+    return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, source.name, stored)
 
 
 def load_weights(

@@ -31,7 +31,6 @@ import ctypes
 import hashlib
 import json
 import logging
-import os
 import platform
 import statistics
 import time
@@ -45,6 +44,7 @@ from batchinfer import native
 from batchinfer.core.cpu import cpu_model
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.models.files import write_cache_json
 from batchinfer.models.linear_kernels import BUCKET_NAMES, KernelLinear, bucket_of
 from batchinfer.models.llama import DecoderLayer, LlamaForCausalLM
 from batchinfer.native.linear import NativeLinear
@@ -272,13 +272,6 @@ def choose_buckets(decoder: NativeDecoder, torch_logits: Callable[[StepInputs], 
         seconds[BUCKET_NAMES[bucket]] = {"native": native_s, "torch": torch_s}
         chosen.append(native_s < torch_s)
     if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"cpu": cpu_model(), "native": chosen,
-                                       "seconds_per_step": seconds}, indent=1))
-            tmp.replace(path)
-        except OSError as exc:
-            logging.getLogger(__name__).warning(
-                "could not cache the native decode choice in %s: %s", path, exc)
+        write_cache_json(path, {"cpu": cpu_model(), "native": chosen, "seconds_per_step": seconds},
+                         "the native decode choice")
     return tuple(chosen)

@@ -30,13 +30,34 @@ from batchinfer.core.paths import default_cache_dir
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.hardware import resolve_device, resolve_dtype
-from batchinfer.models.linear_kernels import KernelPlan, set_int8_inputs
+from batchinfer.models.linear_kernels import (
+    KERNELS_BY_QUANTIZATION,
+    KernelPlan,
+    choose_weight_form,
+    set_int8_inputs,
+)
 from batchinfer.models.llama import ModelSpec
 from batchinfer.models.loader import LoadedModel, load_model
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def _resolve_quantization(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                          dtype: torch.dtype) -> str:
+    """`quantization`, with `auto` resolved: the form a forced `linear_kernels` runs, else the
+    checkpoint's own where it measured faster than float32 here (`choose_weight_form`)."""
+    if config.quantization != "auto":
+        return config.quantization
+    if config.linear_kernels != "auto":
+        return next(form for form, names in KERNELS_BY_QUANTIZATION.items()
+                    if config.linear_kernels in names)
+    form = choose_weight_form(loaded.model, loaded.stored.form, loaded.stored.describe(),
+                              device, dtype, default_cache_dir(), config.prepack_weights,
+                              heads=("lm_head",))
+    logger.info("quantization auto -> %s: %s", form.form, form.reason)
+    return form.form
 
 
 @dataclass(slots=True)
@@ -64,6 +85,8 @@ class Worker:
     # The instruction-set level of the native CPU kernels in use (`native.isa_level()`); None
     # where they are not (no compiler, BATCHINFER_NATIVE=0, CUDA).
     cpu_isa: str | None = None
+    # The weight form that runs (`quantization`, with `auto` resolved).
+    quantization: str = "none"
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Worker:
@@ -74,12 +97,13 @@ class Worker:
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(config.model, dtype, device, revision=config.revision,
                             gguf_file=config.gguf_file)
+        quantization = _resolve_quantization(config, loaded, device, dtype)
         kernels = loaded.model.choose_linear_kernels(
-            config.quantization, config.linear_kernels, device, dtype, default_cache_dir(),
+            quantization, config.linear_kernels, device, dtype, default_cache_dir(),
             config.prepack_weights, config.native_decode)
         cpu_isa = native.isa_level() if device.type == "cpu" else None
         logger.info("linear kernels (%s; weights %s; native ISA level %s): %s", kernels.source,
-                    config.quantization, cpu_isa or "none", kernels.describe())
+                    quantization, cpu_isa or "none", kernels.describe())
         int8_linears = 0
         if config.prefill_activations == "int8":
             int8_linears = set_int8_inputs(loaded.model)
@@ -121,7 +145,8 @@ class Worker:
                                              max_model_len, loaded.spec.vocab_size)
             logger.info("preemption costs measured: %s", costs.describe())
         return cls(config, device, dtype, kv_dtype, loaded, runner, num_blocks, max_model_len,
-                   activation_bytes, num_swap_blocks, costs, kernels, int8_linears, cpu_isa)
+                   activation_bytes, num_swap_blocks, costs, kernels, int8_linears, cpu_isa,
+                   quantization)
 
     # The facts the engine reads (see `engine.llm_engine.ModelWorker`).
     @property

@@ -359,7 +359,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             worker = serving.llm.engine.worker
             plan = getattr(worker, "linear_kernels", None)
             if plan is not None:
-                entry["quantization"] = serving.llm.engine.config.quantization
+                entry["quantization"] = getattr(worker, "quantization", None)
                 entry["linear_kernels"] = plan.as_json()
                 decoder = getattr(getattr(worker, "runner", None), "native_decode", None)
                 entry["native_decode"] = [] if decoder is None else decoder.bucket_names()
