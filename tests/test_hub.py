@@ -235,7 +235,8 @@ def test_online_fetches_only_what_the_loader_reads(tmp_path: Path, hub_env: Path
               "pytorch_model.bin": b"pickle", "onnx/model.onnx": b"onnx", "README.md": b"# r",
               "tiny-q8_0.gguf": b"gguf"}
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    with FakeHub({REPO_ID: {"main": files}}) as hub:
+    gguf_repo = {"main": {"tiny-q4_1.gguf": b"q4", "tiny-q8_0.gguf": b"q8", "README.md": b"r"}}
+    with FakeHub({REPO_ID: {"main": files}, "tiny-org/tiny-GGUF": gguf_repo}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         source = resolve_source(REPO_ID)
         fetched = {name.removeprefix(REPO_ID + "/") for name in hub.downloads}
@@ -243,6 +244,13 @@ def test_online_fetches_only_what_the_loader_reads(tmp_path: Path, hub_env: Path
                                         "pytorch_model.bin", "onnx/model.onnx", "README.md",
                                         "tiny-q8_0.gguf"}
         assert source.path.parent == hub_env / "models--tiny-org--tiny-llama" / "snapshots"
+        gguf = resolve_source("tiny-org/tiny-GGUF", gguf_file="tiny-q8_0.gguf")
+        assert gguf.path.read_bytes() == b"q8"
+        assert hub.downloads[-1] == "tiny-org/tiny-GGUF/tiny-q8_0.gguf"
+        with pytest.raises(ValueError, match=r"the repo has no config\.json.*--gguf-file "
+                           r"NAME\.gguf \(its GGUF files: tiny-q4_1\.gguf, tiny-q8_0\.gguf\)"):
+            resolve_source("tiny-org/tiny-GGUF")
+        assert not any(name.endswith(("q4_1.gguf", "README.md")) for name in hub.downloads)
         with pytest.raises(ValueError, match="'nobody/none' .*no such repo on the hub"):
             resolve_source("nobody/none")
         with pytest.raises(ValueError, match="revision 'v9': not found in 'tiny-org/tiny-llama'"):

@@ -20,8 +20,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from huggingface_hub import hf_hub_download, snapshot_download
+from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -66,6 +67,7 @@ INDEX = "model.safetensors.index.json"
 # org/name as the hub spells repo ids: no leading dot or dash, no "..", one slash.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +132,11 @@ def resolve_encoder_folder(model: str, settings: HubSettings | None = None) -> P
 def _download_folder(repo_id: str, revision: str | None, settings: HubSettings,
                      small_files: tuple[str, ...]) -> Path:
     """The snapshot folder holding `small_files` and the safetensors the index names."""
-    snapshot = Path(_call_hub(repo_id, revision, settings, lambda: snapshot_download(
+    snapshot = Path(str(_call_hub(repo_id, revision, settings, lambda: snapshot_download(
         repo_id, revision=revision, cache_dir=settings.cache_dir, allow_patterns=list(small_files),
-        local_files_only=settings.offline, endpoint=settings.endpoint)))
+        local_files_only=settings.offline, endpoint=settings.endpoint))))
     if not (snapshot / "config.json").is_file():
-        where = f"the cached snapshot {snapshot}" if settings.offline else "the repo"
-        raise ValueError(f"model {repo_id!r} (--model): {where} has no config.json at revision "
-                         f"{revision or 'main'}; for a GGUF in it pass --gguf-file NAME.gguf"
-                         f"{_gguf_hint(snapshot)}")
+        raise _no_config(repo_id, revision, snapshot, settings)
     weights = _weight_files(snapshot)
     # The commit the first call resolved (the snapshot folder's name), so both calls read one
     # state of the repo even if the branch moves in between.
@@ -147,9 +146,26 @@ def _download_folder(repo_id: str, revision: str | None, settings: HubSettings,
         local_files_only=settings.offline, endpoint=settings.endpoint))
     missing = [name for name in weights if not (snapshot / name).is_file()]
     if missing:
-        raise ValueError(f"model {repo_id!r} (--model): the cached snapshot {snapshot} lacks "
-                         f"{', '.join(missing)}" + _offline_note(settings))
+        where = f"the cached snapshot {snapshot}" if settings.offline else "the repo"
+        raise ValueError(f"model {repo_id!r} (--model): {where} lacks {', '.join(missing)}"
+                         + _offline_note(settings))
     return snapshot
+
+
+def _no_config(repo_id: str, revision: str | None, snapshot: Path,
+               settings: HubSettings) -> ValueError:
+    """The error for a repo without config.json, naming the GGUF files it holds (a GGUF repo
+    loads with --gguf-file): those listed on the hub, or offline those in the cache."""
+    if settings.offline:
+        where, names = f"the cached snapshot {snapshot}", [p.name for p in snapshot.glob("*.gguf")]
+    else:
+        api = HfApi(endpoint=settings.endpoint)
+        listing = _call_hub(repo_id, revision, settings,
+                            lambda: api.list_repo_files(repo_id, revision=snapshot.name))
+        where, names = "the repo", [n for n in listing if n.lower().endswith(".gguf")]
+    hint = f" (its GGUF files: {', '.join(sorted(names))})" if names else ""
+    return ValueError(f"model {repo_id!r} (--model): {where} has no config.json at revision "
+                      f"{revision or 'main'}; for a GGUF in it pass --gguf-file NAME.gguf{hint}")
 
 
 def _weight_files(snapshot: Path) -> list[str]:
@@ -166,21 +182,21 @@ def _download_file(repo_id: str, filename: str, revision: str | None,
                    settings: HubSettings) -> Path:
     if not filename.lower().endswith(".gguf"):
         raise ValueError(f"gguf_file {filename!r}: expected a .gguf file name")
-    return Path(_call_hub(repo_id, revision, settings, lambda: hf_hub_download(
+    return Path(str(_call_hub(repo_id, revision, settings, lambda: hf_hub_download(
         repo_id, filename, revision=revision, cache_dir=settings.cache_dir,
-        local_files_only=settings.offline, endpoint=settings.endpoint), filename=filename))
+        local_files_only=settings.offline, endpoint=settings.endpoint), filename=filename)))
 
 
-def _call_hub(repo_id: str, revision: str | None, settings: HubSettings, call: Callable[[], object],
-              filename: str | None = None) -> str:
-    """Run a `huggingface_hub` download; its errors become one-line `ValueError`s."""
+def _call_hub(repo_id: str, revision: str | None, settings: HubSettings, call: Callable[[], T],
+              filename: str | None = None) -> T:
+    """Run a `huggingface_hub` call; its errors become one-line `ValueError`s."""
     what = f"model {repo_id!r} (--model)"
     if filename is not None:
         what += f", file {filename!r} (--gguf-file)"
     at = f" at revision {revision!r}" if revision else ""
     try:
         result = call()
-    except (LocalEntryNotFoundError, FileNotFoundError) as exc:
+    except LocalEntryNotFoundError as exc:  # IncompleteSnapshotError too
         if settings.offline:
             raise ValueError(f"{what}{at}: not in the Hugging Face cache under "
                              f"{settings.cache_dir}, and offline mode is on (HF_HUB_OFFLINE=1)"
@@ -198,12 +214,7 @@ def _call_hub(repo_id: str, revision: str | None, settings: HubSettings, call: C
         raise ValueError(f"{what}{at}: no such file in the repo") from exc
     except HfHubHTTPError as exc:
         raise ValueError(f"{what}: the hub answered {exc}") from exc
-    return str(result)
-
-
-def _gguf_hint(snapshot: Path) -> str:
-    names = sorted(p.name for p in snapshot.glob("*.gguf"))
-    return f" (cached: {', '.join(names)})" if names else ""
+    return result
 
 
 def _offline_note(settings: HubSettings) -> str:
