@@ -90,6 +90,15 @@ def test_settings_follow_the_environment_read_now(monkeypatch: pytest.MonkeyPatc
                                                     endpoint="http://mirror:8080")
 
 
+def test_engine_config_checks_the_hub_fields() -> None:
+    with pytest.raises(ValueError, match="gguf_file must name a .gguf file"):
+        EngineConfig(gguf_file="model.bin")
+    with pytest.raises(ValueError, match="revision must be a non-empty string"):
+        EngineConfig(revision="")
+    config = EngineConfig.from_kwargs(model=REPO_ID, revision="v2", gguf_file="m.gguf")
+    assert (config.revision, config.gguf_file) == ("v2", "m.gguf")
+
+
 def test_hub_id_shape() -> None:
     for text in ("Qwen/Qwen2.5-0.5B-Instruct", "org/name", "a_b/c.d-e"):
         assert is_hub_id(text), text
@@ -168,7 +177,7 @@ def test_missing_model_offline_is_a_clear_error(hub_env: Path) -> None:
         LLM("nobody/no-such-model", dtype="float32")
     message = str(info.value)
     assert "'nobody/no-such-model' (--model)" in message
-    assert f"not in the Hugging Face cache under {hub_env}" in message
+    assert f"no such local path, and not in the Hugging Face cache under {hub_env}" in message
     assert "offline mode is on" in message
     with pytest.raises(ValueError, match="revision 'v9'.*not in the Hugging Face cache"):
         resolve_source(REPO_ID, revision="v9")

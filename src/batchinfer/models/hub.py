@@ -197,19 +197,20 @@ def _call_hub(repo_id: str, revision: str | None, settings: HubSettings, call: C
     try:
         result = call()
     except LocalEntryNotFoundError as exc:  # IncompleteSnapshotError too
+        # "No such local path" first: a mistyped relative path also reads as org/name.
         if settings.offline:
-            raise ValueError(f"{what}{at}: not in the Hugging Face cache under "
-                             f"{settings.cache_dir}, and offline mode is on (HF_HUB_OFFLINE=1)"
-                             ) from exc
-        raise ValueError(f"{what}{at}: the hub cannot be reached and the cache under "
-                         f"{settings.cache_dir} does not hold it ({exc})") from exc
+            raise ValueError(f"{what}{at}: no such local path, and not in the Hugging Face "
+                             f"cache under {settings.cache_dir}, and offline mode is on "
+                             "(HF_HUB_OFFLINE=1)") from exc
+        raise ValueError(f"{what}{at}: no such local path; the hub cannot be reached and the "
+                         f"cache under {settings.cache_dir} does not hold it ({exc})") from exc
     except RevisionNotFoundError as exc:
         raise ValueError(f"revision {revision!r}: not found in {repo_id!r}") from exc
     except GatedRepoError as exc:
         raise ValueError(f"{what}: gated; accept its terms on the hub and set HF_TOKEN") from exc
     except RepositoryNotFoundError as exc:
-        raise ValueError(f"{what}: no such repo on the hub (or it is private: set HF_TOKEN)"
-                         ) from exc
+        raise ValueError(f"{what}: no such local path, and no such repo on the hub (or it is "
+                         "private: set HF_TOKEN)") from exc
     except EntryNotFoundError as exc:
         raise ValueError(f"{what}{at}: no such file in the repo") from exc
     except HfHubHTTPError as exc:
