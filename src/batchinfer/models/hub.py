@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -66,7 +67,6 @@ SINGLE_WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # org/name as the hub spells repo ids: no leading dot or dash, no "..", one slash.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's ENV_VARS_TRUE_VALUES
 T = TypeVar("T")
 
 
@@ -87,7 +87,7 @@ class HubSettings:
         cache = (environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
                  or os.path.join(home, "hub"))
         offline = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
-        return cls(Path(os.path.expandvars(cache)).expanduser(), offline.upper() in _TRUE,
+        return cls(Path(os.path.expandvars(cache)).expanduser(), offline.upper() in ENV_VARS_TRUE_VALUES,
                    environ.get("HF_ENDPOINT") or None)
 
 
