@@ -125,6 +125,10 @@ class WeightFormat:
         return f"{self.stored_type} ({self.form}, {how})" if self.form != "none" else self.stored_type
 
 
+# A Hugging Face folder's matrices: floats (its own dtype), run as float weights.
+FLOAT_WEIGHTS = WeightFormat("float", "none", True)
+
+
 def weight_format(gguf_path: Path, folder: Path | None = None) -> WeightFormat:
     """The stored form of the decoder layers' matrices (their most common GGML type); read
     from `folder`'s `STORED_FORMAT` file, which the conversion wrote, where it has one

@@ -649,8 +649,14 @@ def choose_weight_form(module: nn.Module, stored_form: str, stored: str, device:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             seconds = None  # not measured yet here, or unreadable: measure
     if seconds is None or set(seconds) != {stored_form, "none"}:
-        seconds = {"none": _pass_seconds(sites, floats, dtype, fallback=None),
-                   stored_form: _pass_seconds(sites, quantized, dtype, fallback="dense")}
+        float_s = _fastest_per_shape(sites, floats, dtype)
+        # A shape no quantized kernel takes keeps its float weights: float32's time.
+        seconds = {"none": [sum(bucket.values()) for bucket in float_s],
+                   stored_form: [sum(t if math.isfinite(t) else float_bucket[shape]
+                                     for shape, t in bucket.items())
+                                 for bucket, float_bucket in zip(
+                                     _fastest_per_shape(sites, quantized, dtype), float_s,
+                                     strict=True)]}
         if path is not None:
             write_cache_json(path, {"cpu": cpu_model(), "rows": FORM_PROBE_ROWS,
                                     "seconds_per_pass": seconds}, "the weight form choice")
@@ -665,25 +671,14 @@ def choose_weight_form(module: nn.Module, stored_form: str, stored: str, device:
                               f"faster here: {measured}")
 
 
-def _pass_seconds(sites: Sequence[WeightForms], names: Sequence[str], dtype: torch.dtype,
-                  fallback: str | None) -> list[float]:
-    """Per `FORM_PROBE_ROWS` entry, the seconds of one pass over `sites` with each shape at its
-    fastest of `names`; a shape none of them takes at its `fallback`'s time (the float weights
-    a quantized model keeps there)."""
-    names = list(names) + ([fallback] if fallback and fallback not in names else [])
+def _fastest_per_shape(sites: Sequence[WeightForms], names: Sequence[str],
+                       dtype: torch.dtype) -> list[dict[tuple[int, int], float]]:
+    """Per `FORM_PROBE_ROWS` entry, each weight shape's seconds per pass at its fastest of
+    `names` (infinite where none takes it)."""
     timings = measure(sites, names, dtype, FORM_PROBE_ROWS)
-    shapes = list(dict.fromkeys((f.weight.shape[0], f.weight.shape[1]) for f in sites))
-    own = [n for n in names if n != fallback]
-    totals = []
-    for bucket in range(len(FORM_PROBE_ROWS)):
-        total = 0.0
-        for shape in shapes:
-            best = min(timings[n][bucket].get(shape, math.inf) for n in own)
-            if math.isinf(best) and fallback is not None:
-                best = timings[fallback][bucket].get(shape, math.inf)
-            total += best
-        totals.append(total)
-    return totals
+    shapes = dict.fromkeys((f.weight.shape[0], f.weight.shape[1]) for f in sites)
+    return [{shape: min(timings[n][bucket].get(shape, math.inf) for n in names)
+             for shape in shapes} for bucket in range(len(FORM_PROBE_ROWS))]
 
 
 def runnable(forms: WeightForms, name: str) -> str:

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchinfer.core.paths import default_cache_dir
 from batchinfer.models.files import read_json
-from batchinfer.models.gguf import WeightFormat, convert_gguf, weight_format
+from batchinfer.models.gguf import FLOAT_WEIGHTS, WeightFormat, convert_gguf, weight_format
 from batchinfer.models.hub import resolve_source
 from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
 from batchinfer.models.registry import SourceKind
@@ -38,7 +38,7 @@ class LoadedModel:
     name: str  # the model id to show
     # How the checkpoint stores its decoder layers' matrices (`--quantization auto` keeps a
     # quantized one in its own form where that measures faster); a folder's are floats.
-    stored: WeightFormat = WeightFormat("float", "none", True)
+    stored: WeightFormat = FLOAT_WEIGHTS
 
 
 def load_model(
@@ -59,7 +59,7 @@ def load_model(
     """
     source = resolve_source(model, revision, gguf_file)
     folder = source.path
-    stored = WeightFormat("float", "none", True)
+    stored = FLOAT_WEIGHTS
     if source.kind is SourceKind.GGUF:
         folder = convert_gguf(source.path, cache_dir or default_cache_dir())
         stored = weight_format(source.path, folder)
