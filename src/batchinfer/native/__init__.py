@@ -1,5 +1,5 @@
-"""The CPU kernels of `cpu_kernels.c`, compiled for this machine at first use and loaded with
-ctypes.
+"""The CPU kernels of `cpu_kernels.c` (each instruction-set level's own in `kernels/`),
+compiled for this machine at first use and loaded with ctypes.
 
 Why compiled here rather than shipped: the fastest code differs by CPU, so the library is built
 by the system C compiler (`$CC`, else `cc`) into the cache folder, once per instruction-set
@@ -42,6 +42,8 @@ from batchinfer.core.paths import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Each instruction-set level's kernels, and the contract they share (included by SOURCE).
+HEADERS = tuple(sorted(Path(__file__).with_name("kernels").glob("*.h")))
 # -fno-strict-aliasing: 16-bit inputs are read as 32-bit pairs; -fno-math-errno: lrintf and
 # sqrtf become single instructions.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-strict-aliasing",
@@ -112,7 +114,10 @@ def compiler() -> str | None:
 @functools.cache
 def source_digest() -> str:
     """A digest of the kernels' source: cached choices measured with other code are stale."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for path in (SOURCE, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def supported_levels(flags: frozenset[str] | None = None,
