@@ -11,10 +11,14 @@
  * Threads: OpenMP, the same runtime torch uses, the count passed by the caller.
  */
 #include "kernels/common.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(BI_FORCE_PORTABLE)  /* the portable level of an Arm build */
+#include "kernels/portable.h"
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
 #include "kernels/avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "kernels/avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "kernels/neon.h"
 #else
 #include "kernels/portable.h"
 #endif
