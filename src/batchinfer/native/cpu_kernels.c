@@ -820,14 +820,42 @@ static void softmax_rows(float *scores, int64_t lds, int R, const int *valid, in
         float *s = scores + r * lds, best = -INFINITY;
         const int n = valid[r];
         if (n < n_all) memset(s + n, 0, sizeof(float) * (n_all - n));
-        int j = 0;
-#if BI_PACKED_FAST
+#if BI_SOFTMAX_FAST
         if (softmax_row_fast(s, n, inv + r)) continue;
 #endif
-        for (; j < n; j++) best = s[j] > best ? s[j] : best;
+        for (int j = max_span(s, n, &best); j < n; j++) best = s[j] > best ? s[j] : best;
         inv[r] = 1.f / exp_shifted(s, n, best);
     }
 }
+
+#if BI_PACKED_FAST
+/* sentence_rows' vector body (the level's sentence_scores and sentence_values) for a head size D and R rows known at compile time. */
+static inline __attribute__((always_inline)) void
+sentence_rows_fixed(const float *const *qr, const int R, const float *v, int64_t ld,
+                    const float *kt, int64_t ldk, int n, const int *valid, const int D,
+                    float *scores, float *const *outr) {
+    float inv[QROWS];
+    sentence_scores(qr, R, kt, ldk, n, D, scores, ldk);
+    softmax_rows(scores, ldk, R, valid, n, inv);
+    sentence_values(scores, ldk, R, v, ld, n, D, inv, outr);
+}
+
+/* sentence_rows' vector form for head sizes 32 and 64: 1 where it took the rows. */
+static int sentence_rows_fast(const float *const *qr, int R, const float *v, int64_t ldv,
+                              const float *kt, int64_t ldk, int n, const int *valid, int d,
+                              float *scores, float *const *outr) {
+    if (d != 32 && d != 64) return 0;
+    if (R == QROWS && d == 32)
+        sentence_rows_fixed(qr, QROWS, v, ldv, kt, ldk, n, valid, 32, scores, outr);
+    else if (R == QROWS)
+        sentence_rows_fixed(qr, QROWS, v, ldv, kt, ldk, n, valid, 64, scores, outr);
+    else if (d == 32)
+        sentence_rows_fixed(qr, 1, v, ldv, kt, ldk, n, valid, 32, scores, outr);
+    else
+        sentence_rows_fixed(qr, 1, v, ldv, kt, ldk, n, valid, 64, scores, outr);
+    return 1;
+}
+#endif
 
 /* Scores and values of R query rows, portable (any d). */
 static void sentence_scores_any(const float *const *qr, int R, const float *kt, int64_t ldk,

@@ -6,8 +6,9 @@
 #define BI_ISA_NAME "avx2"
 #define BI_HELD16 1
 #define BI_FIXED_KV 1
-#define BI_PACKED_FAST 0
-#define BI_GELU_FAST 0
+#define BI_PACKED_FAST 1
+#define BI_SOFTMAX_FAST 0
+#define BI_GELU_FAST 1
 #define BI_ACT8 0
 
 /* Horizontal sum and maximum of 8 floats. */
@@ -519,3 +520,139 @@ block_values_fixed(const float *p, const void *values, int n, int per_kv, const 
         }
 }
 
+
+/* erf(x) as the AVX-512 erf_ps computes it, the reciprocal from the 12-bit estimate and one
+ * Newton step (~2e-7 relative). */
+static inline __m256 erf8_ps(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 d = _mm256_fmadd_ps(ax, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.f));
+    const __m256 r = _mm256_rcp_ps(d);
+    const __m256 t = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    p = _mm256_mul_ps(p, t);
+    const __m256 e = exp8_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), ax), ax));
+    const __m256 y = _mm256_fnmadd_ps(p, e, _mm256_set1_ps(1.f));
+    return _mm256_or_ps(y, _mm256_and_ps(x, sign));
+}
+
+BI_INLINE int64_t gelu_span(float *x, int64_t i, int64_t end) {
+    const __m256 half = _mm256_set1_ps(0.5f), root = _mm256_set1_ps(0.70710678118654752f);
+    for (; i + 8 <= end; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 e = erf8_ps(_mm256_mul_ps(v, root));
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_mul_ps(v, half),
+                                              _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+    }
+    return i;
+}
+
+/* ---- the packed attention (see cpu_kernels.c): the AVX-512 kernels 8 lanes wide -------- */
+
+/* scores[r][j] = q_r . kt[:, j] for r < R, j < n rounded up to 8 (kt: `[D][ldk]`, zero past
+ * n): 24 keys a pass for 4 rows (12 accumulators, three key vectors and a broadcast fill the
+ * sixteen registers). */
+static inline __attribute__((always_inline)) void
+sentence_scores(const float *const *qr, const int R, const float *kt, int64_t ldk, int n,
+                const int D, float *scores, int64_t lds) {
+    int j0 = 0;
+    enum { W = 3 };
+    for (; j0 + 8 * W <= n; j0 += 8 * W) {
+        __m256 acc[QROWS][W];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < W; i++) acc[r][i] = _mm256_setzero_ps();
+        for (int c = 0; c < D; c++) {
+            const float *row = kt + c * ldk + j0;
+            __m256 kv[W];
+            for (int i = 0; i < W; i++) kv[i] = _mm256_loadu_ps(row + 8 * i);
+            for (int r = 0; r < R; r++) {
+                const __m256 qv = _mm256_broadcast_ss(qr[r] + c);
+                for (int i = 0; i < W; i++) acc[r][i] = _mm256_fmadd_ps(qv, kv[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < W; i++) _mm256_storeu_ps(scores + r * lds + j0 + 8 * i, acc[r][i]);
+    }
+    for (; j0 < n; j0 += 8) {  /* the last keys, 8 at a time */
+        __m256 acc[QROWS], odd[QROWS];  /* even and odd c: twice the chains of multiply-adds */
+        for (int r = 0; r < R; r++) acc[r] = odd[r] = _mm256_setzero_ps();
+        for (int c = 0; c < D; c += 2) {
+            const __m256 k0 = _mm256_loadu_ps(kt + c * ldk + j0);
+            const __m256 k1 = _mm256_loadu_ps(kt + (c + 1) * ldk + j0);
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qr[r] + c), k0, acc[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qr[r] + c + 1), k1, odd[r]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(scores + r * lds + j0, _mm256_add_ps(acc[r], odd[r]));
+    }
+}
+
+/* out_r = inv[r] * sum_j p[r][j] v_j for r < R (v rows `ld` apart; D a multiple of 32): 32
+ * outputs of two rows at a time, in registers across the values. */
+static inline __attribute__((always_inline)) void
+sentence_values(const float *p, int64_t lds, const int R, const float *v, int64_t ld, int n,
+                const int D, const float *inv, float *const *outr) {
+    for (int c0 = 0; c0 < D; c0 += 32)
+        for (int r0 = 0; r0 < R; r0 += 2) {
+            const int rows = R - r0 < 2 ? R - r0 : 2;
+            __m256 acc[2][4];
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+            for (int j = 0; j < n; j++) {
+                const float *vj = v + j * ld + c0;
+                __m256 vv[4];
+                for (int i = 0; i < 4; i++) vv[i] = _mm256_loadu_ps(vj + 8 * i);
+                for (int r = 0; r < rows; r++) {
+                    const __m256 w = _mm256_broadcast_ss(p + (r0 + r) * lds + j);
+                    for (int i = 0; i < 4; i++) acc[r][i] = _mm256_fmadd_ps(w, vv[i], acc[r][i]);
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_ps(outr[r0 + r] + c0 + 8 * i,
+                                     _mm256_mul_ps(acc[r][i], _mm256_set1_ps(inv[r0 + r])));
+        }
+}
+
+
+/* r[i] <- column i of the 8 x 8 block r (rows r[0..8)). */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+    }
+}
+
+BI_INLINE int transpose_keys_fast(const float *keys, int64_t ldk, int n, int d, float scale,
+                                  float *kt, int64_t ldt) {
+    if (d % 8) return 0;
+    const int padded = (n + 15) / 16 * 16;
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < padded; j0 += 8)  /* 8 keys x 8 values at a time, in registers */
+        for (int c0 = 0; c0 < d; c0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = j0 + i < n ? _mm256_mul_ps(_mm256_loadu_ps(keys + (j0 + i) * ldk + c0), sv)
+                                  : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (c0 + i) * ldt + j0, r[i]);
+        }
+    return 1;
+}

@@ -6,6 +6,7 @@
 #define BI_HELD16 1
 #define BI_FIXED_KV 1
 #define BI_PACKED_FAST 1
+#define BI_SOFTMAX_FAST 1
 #define BI_GELU_FAST 1
 /* 8-bit inputs' products (`vpdpbusd`) where AVX-512 VNNI is there */
 #if defined(__AVX512VNNI__)
@@ -789,33 +790,6 @@ sentence_values(const float *p, int64_t lds, const int R, const float *v, int64_
             _mm512_storeu_ps(outr[r] + 16 * i, _mm512_mul_ps(acc[r][i], _mm512_set1_ps(inv[r])));
 }
 
-/* sentence_rows' AVX-512 body for a head size D and R rows known at compile time. */
-static inline __attribute__((always_inline)) void
-sentence_rows_fixed(const float *const *qr, const int R, const float *v, int64_t ld,
-                    const float *kt, int64_t ldk, int n, const int *valid, const int D,
-                    float *scores, float *const *outr) {
-    float inv[QROWS];
-    sentence_scores(qr, R, kt, ldk, n, D, scores, ldk);
-    softmax_rows(scores, ldk, R, valid, n, inv);
-    sentence_values(scores, ldk, R, v, ld, n, D, inv, outr);
-}
-
-BI_INLINE int sentence_rows_fast(const float *const *qr, int R, const float *v, int64_t ldv,
-                              const float *kt, int64_t ldk, int n, const int *valid, int d,
-                              float *scores, float *const *outr) {
-    if (d == 32 || d == 64) {
-        if (R == QROWS && d == 32)
-            sentence_rows_fixed(qr, QROWS, v, ldv, kt, ldk, n, valid, 32, scores, outr);
-        else if (R == QROWS)
-            sentence_rows_fixed(qr, QROWS, v, ldv, kt, ldk, n, valid, 64, scores, outr);
-        else if (d == 32)
-            sentence_rows_fixed(qr, 1, v, ldv, kt, ldk, n, valid, 32, scores, outr);
-        else
-            sentence_rows_fixed(qr, 1, v, ldv, kt, ldk, n, valid, 64, scores, outr);
-        return 1;
-    }
-    return 0;
-}
 
 /* r[i] <- column i of the 16 x 16 block r (rows r[0..16)). */
 static inline void transpose16(__m512 r[16]) {

@@ -41,9 +41,11 @@
  *                                the vector part of a loop: each does what it can from its
  *                                start and returns where the caller's scalar loop goes on;
  *   BI_GELU_FAST, gelu_span      1 where GELU has a vector form (the same contract);
- *   BI_PACKED_FAST, softmax_row_fast, sentence_rows_fast, transpose_keys_fast
- *                                1 where the packed attention has vector forms: each returns
- *                                1 where it did the work, 0 where the portable loops must.
+ *   BI_PACKED_FAST, sentence_scores, sentence_values, transpose_keys_fast
+ *                                1 where the packed attention has vector forms for head sizes
+ *                                32 and 64 (transpose_keys_fast: 1 where it did the work, 0
+ *                                where the portable loop must);
+ *   BI_SOFTMAX_FAST, softmax_row_fast   1 where a score row's softmax has one (the same).
  */
 #ifndef BI_KERNELS_COMMON_H
 #define BI_KERNELS_COMMON_H
@@ -140,9 +142,5 @@ static inline void finish(float *y, int j, float v, const float *bias, int accum
 #define DISPATCH_ROWS(call_rows) \
     switch (rows) { case 1: call_rows(1); break; case 2: call_rows(2); break; \
                     case 3: call_rows(3); break; default: call_rows(4); break; }
-
-/* Defined in cpu_kernels.c; a level's packed attention calls it between its own steps. */
-static void softmax_rows(float *scores, int64_t lds, int R, const int *valid, int n_all,
-                         float *inv);
 
 #endif

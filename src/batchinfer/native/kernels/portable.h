@@ -8,6 +8,7 @@
 #define BI_ACT8 0
 #define BI_FIXED_KV 0
 #define BI_PACKED_FAST 0
+#define BI_SOFTMAX_FAST 0
 #define BI_GELU_FAST 0
 
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
