@@ -1,8 +1,8 @@
 /* Checks one build of the native kernels against another (the portable level), entry point by
  * entry point, on random inputs at odd shapes: the linears (float32, q4, q8; 1-9 rows, 1-3
  * threads, bias, accumulation), the cache widening, SiLU, the packed attention and whole decode
- * steps over two cache types. For a level this machine cannot run natively (Arm NEON, under
- * qemu-user): tests/test_native_arm.py builds both libraries and this program and runs it.
+ * steps over two cache types. tests/test_native_levels.py builds both libraries and this
+ * program and runs it: natively for the levels this CPU runs, under qemu-user for Arm NEON.
  *
  *   native_levels_check LEVEL.so PORTABLE.so    prints "ok NAME" per check; exit 1 on a mismatch
  */

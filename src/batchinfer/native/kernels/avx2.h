@@ -385,6 +385,7 @@ static inline __m256 exp8_ps(__m256 x) {
 BI_INLINE int64_t kv_widen(const void *src, int64_t n, int type, float *dst) {
     int64_t i = 0;
     const uint16_t *h = src;
+    const uint8_t *b = src;
     switch (type) {
     case BI_KV_F16:
         for (; i + 8 <= n; i += 8)
@@ -395,6 +396,22 @@ BI_INLINE int64_t kv_widen(const void *src, int64_t n, int type, float *dst) {
             _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(h + i))), 16)));
         return i;
+    case BI_KV_E5M2:  /* float16's top byte */
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_slli_epi16(
+                _mm_cvtepu8_epi16(_mm_loadl_epi64((const void *)(b + i))), 8)));
+        return i;
+    case BI_KV_E4M3: {  /* its fields moved into a float16, times 2^8 */
+        const __m128i sign = _mm_set1_epi16(0x80), rest = _mm_set1_epi16(0x7F);
+        const __m256 two8 = _mm256_set1_ps(256.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const void *)(b + i)));
+            const __m128i e = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8),
+                                           _mm_slli_epi16(_mm_and_si128(x, rest), 7));
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(e), two8));
+        }
+        return i;
+    }
     default: return 0;
     }
 }

@@ -1,9 +1,11 @@
-"""The Arm NEON kernels (`native/kernels/neon.h`), checked on an x86 machine: the Debian
-cross-compiler builds the `neon` and `portable` levels for 64-bit Arm with the flags the loader
-gives them, and `qemu-user` runs `native_levels_check.c`, which compares the two entry point by
-entry point (products, cache widening, SiLU, packed attention, decode steps). Correctness
-only: qemu's timings say nothing about an Arm CPU's. Skipped, with the reason, where the
-cross-compiler or qemu is missing (`make test` installs them where it can)."""
+"""Each instruction-set level's kernels against the portable level's, entry point by entry
+point (`native_levels_check.c`: products, cache widening, SiLU, packed attention, decode
+steps): the levels this CPU runs, natively; the Arm NEON level (`native/kernels/neon.h`) on an
+x86 machine, where the Debian cross-compiler builds the `neon` and `portable` levels for
+64-bit Arm with the flags the loader gives them and `qemu-user` runs the comparison.
+Correctness only: qemu's timings say nothing about an Arm CPU's. The Arm checks are skipped,
+with the reason, where the cross-compiler or qemu is missing (`make test` installs them where
+it can)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,31 @@ def _compare(cc: str, qemu: str, level_lib: Path, portable_lib: Path, kernels: P
                    check=True, capture_output=True, text=True, timeout=300)
     return subprocess.run([qemu, "-L", str(SYSROOT), str(check), str(level_lib),
                            str(portable_lib)], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("level", [level for level in native.ISA_LEVELS if level != "portable"])
+def test_each_level_this_cpu_runs_matches_the_portable_one(level, tmp_path):
+    """The comparison program passes for every level this CPU runs, built as the loader
+    builds it, against the portable build."""
+    if level not in native.supported_levels():
+        pytest.skip(f"this CPU does not run the {level} build")
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    libs = {}
+    for name in (level, "portable"):
+        libs[name] = tmp_path / f"{name}.so"
+        subprocess.run([cc, *native.level_flags(name), "-o", str(libs[name]), str(native.SOURCE),
+                        *native.LIBS], check=True, capture_output=True, text=True, timeout=300)
+    check = tmp_path / "check"
+    subprocess.run([cc, "-O1", f"-I{native.SOURCE.parent / 'kernels'}", "-o", str(check),
+                    str(CHECK), "-ldl", "-lm"], check=True, capture_output=True, text=True,
+                   timeout=300)
+    result = subprocess.run([str(check), str(libs[level]), str(libs["portable"])],
+                            capture_output=True, text=True, timeout=600)
+    assert result.stdout.startswith(f"levels {level} portable"), result.stdout + result.stderr
+    failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
 
 
 def test_neon_kernels_match_the_portable_ones_under_qemu(tmp_path):
