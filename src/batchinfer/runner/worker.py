@@ -36,8 +36,8 @@ from batchinfer.models.linear_kernels import (
     choose_weight_form,
     set_int8_inputs,
 )
-from batchinfer.models.llama import ModelSpec
 from batchinfer.models.loader import LoadedModel, load_model
+from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 
