@@ -1,11 +1,13 @@
 """Each model family beyond Llama, on a tiny random model built with transformers' own config
 class, against Hugging Face: logits of a flat batch, then `LLM.generate`'s greedy tokens and
-top logprobs (whole prompts and chunked prefill), then quantized weights."""
+top logprobs (whole prompts and chunked prefill), then quantized weights. Qwen3's GGUF round
+trip is in test_gguf.py."""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +20,48 @@ from batchinfer.models import ModelSpec, load_model
 from batchinfer.runner.native_decode import NativeDecoder
 from tests.tiny_models import dense_attention, make_tiny_llama, round_weights_like
 
-# case -> (family, transformers config overrides)
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3": ("qwen3", {}),
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny model of `family` with these config `overrides`, served with these `LLM`
+    keyword arguments, run on prompts of `min_len`..`max_len` tokens."""
+
+    family: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    llm: dict[str, Any] = field(default_factory=dict)
+    min_len: int = 5
+    max_len: int = 60
+
+
+def longrope(original: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE with distinct per-frequency factors (head_dim 16: 8 of each)."""
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.0 + 0.9 * i for i in range(8)],
+            "original_max_position_embeddings": original}
+
+
+CASES = {
+    "qwen3": Case("qwen3"),
     # head_dim set apart from hidden / heads (64 / 4), as Qwen3 checkpoints do
-    "qwen3-head32-bias-tied": ("qwen3", {"head_dim": 32, "attention_bias": True,
-                                         "tie_word_embeddings": True}),
+    "qwen3-head32-bias-tied": Case("qwen3", {"head_dim": 32, "attention_bias": True,
+                                             "tie_word_embeddings": True}),
+    "phi3": Case("phi3"),
+    # LongRoPE, served within its original context (64): its short factors, as transformers
+    # takes them for sequences of 64 tokens or fewer...
+    "phi3-longrope-short": Case("phi3", {"rope_scaling": longrope(64),
+                                         "original_max_position_embeddings": 64},
+                                llm={"max_model_len": 64}, max_len=50),
+    # ... and beyond it (max_model_len 512): its long factors, as transformers takes them for
+    # sequences longer than 64 tokens.
+    "phi3-longrope-long": Case("phi3", {"rope_scaling": longrope(64),
+                                        "original_max_position_embeddings": 64},
+                               min_len=70, max_len=120),
 }
 # Step budgets: whole prompts in one step, and chunked prefill (prompts cut into 16-token
 # chunks, batched with other sequences' decodes).
 BUDGETS = {"whole": 2048, "chunked": 16}
+# One case per family for quantized weights (each is a few engines).
+QUANTIZED_CASES = ["qwen3", "phi3-longrope-short"]
 NUM_TOP = 5
 
 
@@ -37,8 +71,7 @@ def _one_thread() -> None:
 
 
 def make_case(tmp_path: Path, case: str, **extra: Any) -> Path:
-    family, overrides = CASES[case]
-    return make_tiny_llama(tmp_path, family, **{**overrides, **extra})
+    return make_tiny_llama(tmp_path, CASES[case].family, **{**CASES[case].overrides, **extra})
 
 
 def hf_model(folder: Path) -> Any:
@@ -61,8 +94,8 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-def random_prompts(n: int, seed: int, low: int = 5, high: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
+def random_prompts(n: int, seed: int, case: str) -> list[list[int]]:
+    rng, low, high = random.Random(seed), CASES[case].min_len, CASES[case].max_len
     return [[rng.randrange(3, 300) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
@@ -70,7 +103,8 @@ def random_prompts(n: int, seed: int, low: int = 5, high: int = 60) -> list[list
 def test_logits_of_a_flat_batch_match_transformers(tmp_path: Path, case: str) -> None:
     folder = make_case(tmp_path, case)
     loaded = load_model(str(folder), torch.float32, "cpu")
-    sequences = [torch.tensor(p) for p in random_prompts(2, seed=1, low=40, high=150)]
+    loaded.model.fit_context(CASES[case].llm.get("max_model_len", 512))
+    sequences = [torch.tensor(p) for p in random_prompts(2, seed=1, case=case)]
     boundaries, start = [], 0
     for seq in sequences:
         boundaries.append((start, start + len(seq)))
@@ -109,8 +143,8 @@ def check_generate(llm: LLM, reference: Any, prompts: list[list[int]], max_token
 def test_generate_matches_transformers(tmp_path: Path, case: str, budget: str) -> None:
     folder = make_case(tmp_path, case)
     llm = LLM(str(folder), dtype="float32", kv_cache_memory=32 << 20,
-              max_num_batched_tokens=BUDGETS[budget])
-    check_generate(llm, hf_model(folder), random_prompts(4, seed=2), max_tokens=10)
+              max_num_batched_tokens=BUDGETS[budget], **CASES[case].llm)
+    check_generate(llm, hf_model(folder), random_prompts(4, seed=2, case=case), max_tokens=10)
 
 
 @pytest.mark.parametrize("quantization", ["q8", "q4"])
@@ -120,17 +154,17 @@ def test_quantized_weights_give_the_tokens_of_the_rounded_model(
     model whose projections were rounded the same way (the kernels round activations to 16
     bits per group of 32: logprobs agree to that rounding)."""
     monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
-    for case in CASES:
+    for case in QUANTIZED_CASES:
         folder = make_case(tmp_path / case, case, tie_word_embeddings=False)
         rounded = tmp_path / case / "rounded"
         round_weights_like(folder, rounded, quantization)
         llm = LLM(str(folder), dtype="float32", kv_cache_memory=32 << 20,
                   quantization=quantization, linear_kernels=f"{quantization}_native",
-                  max_num_batched_tokens=16)
+                  max_num_batched_tokens=16, **CASES[case].llm)
         layer = llm.engine.worker.loaded.model.layers[0].self_attn.qkv_proj
         assert set(layer.kernels) == {f"{quantization}_native"}
-        check_generate(llm, hf_model(rounded), random_prompts(3, seed=3), max_tokens=8,
-                       atol=2e-2)
+        check_generate(llm, hf_model(rounded), random_prompts(3, seed=3, case=case),
+                       max_tokens=8, atol=2e-2)
 
 
 def test_native_decode_steps_refuse_qwen3_layers(tmp_path: Path,
@@ -160,3 +194,30 @@ def test_qwen3_spec_reads_its_config(tmp_path: Path) -> None:
     assert spec.architecture == "Qwen3ForCausalLM"
     assert (spec.head_dim, spec.attention_bias, spec.attention_out_bias) == (32, True, True)
     assert spec.sliding_window is None  # use_sliding_window is false
+
+
+def test_phi3_loads_its_fused_checkpoint_as_it_is(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    folder = make_case(tmp_path, "phi3")
+    stored = load_file(folder / "model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in stored
+    assert not any("q_proj" in name or "gate_proj" in name for name in stored)
+    state = load_model(str(folder), torch.float32, "cpu").model.state_dict()
+    for name in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):
+        assert torch.equal(state[f"layers.1.{name}"], stored[f"model.layers.1.{name}"])
+
+
+@pytest.mark.parametrize(("rope", "message"), [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+     r"rope_scaling \(longrope\) lacks short_factor"),  # Phi-3 reads yarn as LongRoPE
+    ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
+    ({**longrope(64), "short_factor": [1.0] * 3}, "short_factor must be a list of"),
+])
+def test_rope_scalings_not_served_are_refused_by_name(rope: dict[str, Any],
+                                                     message: str) -> None:
+    config = {"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 300,
+              "max_position_embeddings": 512, "rope_scaling": rope}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(config, source="x/config.json")

@@ -28,6 +28,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -53,7 +54,7 @@ _CORPUS = [
 ] * 4
 
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-            "qwen3": Qwen3Config}
+            "qwen3": Qwen3Config, "phi3": Phi3Config}
 
 
 def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -106,6 +107,8 @@ def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
     }
     if arch == "mistral":
         params["sliding_window"] = None
+    if arch == "phi3":
+        params["pad_token_id"] = 0
     params.update(overrides)
     config = _CONFIGS[arch](**params)
     torch.manual_seed(seed)

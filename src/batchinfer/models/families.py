@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchinfer.models.llama import LlamaForCausalLM
+from batchinfer.models.phi3 import Phi3ForCausalLM
 from batchinfer.models.qwen3 import Qwen3ForCausalLM
 from batchinfer.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
@@ -11,6 +12,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

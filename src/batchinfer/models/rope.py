@@ -31,7 +31,7 @@ def rope_inverse_frequencies(
         return inv_freq
     if scaling["rope_type"] == "longrope":
         factors = scaling["long_factor" if long_context else "short_factor"]
-        return inv_freq / torch.tensor(factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor

@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MistralForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 # The MLP activations served (`hidden_act`, Gemma's `hidden_activation`).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

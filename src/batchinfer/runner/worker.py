@@ -125,6 +125,7 @@ class Worker:
         max_model_len = resolve_max_model_len(
             config.max_model_len, loaded.spec, num_blocks * config.block_size, knob
         )
+        loaded.model.fit_context(max_model_len)  # LongRoPE's factors depend on it
         block_bytes = bytes_per_block(loaded.spec, config.block_size, kv_dtype)
         num_swap_blocks = swap_space_blocks(config, block_bytes)
         runner = _make_runner(config, loaded, device, kv_dtype, num_blocks, num_swap_blocks)
