@@ -1,5 +1,5 @@
 /* Checks one build of the native kernels against another (the portable level), entry point by
- * entry point, on random inputs at odd shapes: the linears (float32, q4, q8; 1-9 rows, 1-3
+ * entry point, on random inputs at odd shapes: the linears (float32, q4, q8; 1-70 rows, 1-3
  * threads, bias, accumulation), the cache widening, SiLU, the packed attention and whole decode
  * steps over two cache types. tests/test_native_levels.py builds both libraries and this
  * program and runs it: natively for the levels this CPU runs, under qemu-user for Arm NEON.
@@ -124,13 +124,18 @@ static bi_linear random_linear(int kind, int n, int k, int bias) {
 static void check_linears(kernels a, kernels b) {
     const int kinds[] = {BI_F32, BI_Q4, BI_Q8};
     const char *names[] = {"f32", "q4", "q8"};
-    const int shapes[][2] = {{16, 32}, {48, 96}, {32, 160}, {20, 37}};  /* n, k */
+    /* n, k: one to five tiles of 16 (the held kernels take four at a time), and float32's
+     * remainders */
+    const int shapes[][2] = {{16, 32}, {48, 96}, {32, 160}, {80, 64}, {20, 37}};
+    /* rows: the few-row kernels, the held ones with their remainders, blocks of 32 */
+    const int row_counts[] = {1, 3, 5, 8, 10, 11, 33, 70};
     for (int ki = 0; ki < 3; ki++)
-        for (int s = 0; s < 4; s++) {
+        for (int s = 0; s < 5; s++) {
             const int n = shapes[s][0], k = shapes[s][1];
             if (kinds[ki] != BI_F32 && (n % TILE_Q || k % GROUP)) continue;
-            for (int rows = 1; rows <= 9; rows += 2)
+            for (int ri = 0; ri < 8; ri++)
                 for (int threads = 1; threads <= 3; threads++) {
+                    const int rows = row_counts[ri];
                     const int bias = (rows + threads) % 2, accumulate = threads == 2;
                     bi_linear l = random_linear(kinds[ki], n, k, bias);
                     float *x = random_floats((int64_t)rows * k, 2.f);
@@ -240,7 +245,6 @@ static tiny_model tiny(int kind, int kv_type, kernels ref) {
         L->gate_up = random_linear(kind, 2 * m->intermediate, m->hidden, 0);
         L->down = random_linear(kind, m->hidden, m->intermediate, 0);
     }
-    m->layers = t.layers;
     m->lm_head = random_linear(BI_F32, m->vocab, m->hidden, 0);
     const int64_t elements = 2 * m->num_blocks * 2 * m->num_kv_heads * m->block_size * m->head_dim;
     const int64_t eb = kv_type == BI_KV_F32 ? 4 : kv_type <= BI_KV_BF16 ? 2 : 1;
@@ -258,6 +262,7 @@ static void check_decode(kernels a, kernels b) {
     for (int ki = 0; ki < 3; ki++)
         for (int ti = 0; ti < 2; ti++) {
             tiny_model t = tiny(kinds[ki], kv_types[ti], b);
+            t.m.layers = t.layers;  /* this copy's own layers */
             void *cache = t.m.kv_cache, *copy = malloc((size_t)t.cache_bytes);
             memcpy(copy, cache, (size_t)t.cache_bytes);
             /* three sequences of 5, 17 and 40 tokens: blocks [0], [1, 2], [3, 4, 5] */

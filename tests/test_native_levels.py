@@ -29,7 +29,7 @@ BASELINE = "-march=armv8-a"
 
 def _arm_tools() -> tuple[str, str]:
     if platform.machine() in native.ARM64_MACHINES:
-        pytest.skip("an Arm machine runs the neon level natively: tests/test_native.py")
+        pytest.skip("an Arm machine runs the neon level natively (the test above)")
     cc, qemu = shutil.which(CROSS_CC), shutil.which(QEMU)
     if cc is None or qemu is None or not SYSROOT.is_dir():
         pytest.skip(f"no {CROSS_CC} / {QEMU} / {SYSROOT} (Debian: gcc-aarch64-linux-gnu, "
@@ -77,6 +77,17 @@ def test_each_level_this_cpu_runs_matches_the_portable_one(level, tmp_path):
     assert result.stdout.startswith(f"levels {level} portable"), result.stdout + result.stderr
     failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
     assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
+    _assert_every_check_ran(result.stdout)
+
+
+def _assert_every_check_ran(stdout: str) -> None:
+    passed = {line[3:] for line in stdout.splitlines() if line.startswith("ok ")}
+    for kind in ("f32", "q4", "q8"):
+        assert sum(name.startswith(f"linear {kind} ") for name in passed) >= 15, kind
+        assert f"decode {kind} weights, f16 cache, threads=3" in passed
+    for kv_type in ("f32", "f16", "bf16", "e4m3", "e5m2"):
+        assert f"kv_load {kv_type}" in passed
+    assert "packed_attention d=64 causal" in passed
 
 
 def test_neon_kernels_match_the_portable_ones_under_qemu(tmp_path):
@@ -92,13 +103,7 @@ def test_neon_kernels_match_the_portable_ones_under_qemu(tmp_path):
     assert lines and lines[0] == "levels neon portable", result.stdout + result.stderr
     failures = [line for line in lines if line.startswith("FAIL")]
     assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
-    passed = {line[3:] for line in lines if line.startswith("ok ")}
-    for kind in ("f32", "q4", "q8"):
-        assert sum(name.startswith(f"linear {kind} ") for name in passed) >= 15, kind
-        assert f"decode {kind} weights, f16 cache, threads=3" in passed
-    for kv_type in ("f32", "f16", "bf16", "e4m3", "e5m2"):
-        assert f"kv_load {kv_type}" in passed
-    assert "packed_attention d=64 causal" in passed
+    _assert_every_check_ran(result.stdout)
 
 
 def test_the_comparison_catches_a_wrong_kernel(tmp_path):
