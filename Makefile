@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install serve test test-slow lint bench clean browser
+.PHONY: install serve test test-slow lint bench clean browser arm-tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,7 +36,16 @@ browser:
 	    { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium is not installed: the dashboard's browser test will be skipped"
 
-test: lint browser
+# The Arm kernels' test cross-compiles them and runs them under qemu-user: Debian's packages,
+# installed where apt-get runs as root; elsewhere that test is skipped with the reason.
+arm-tools:
+	@{ command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libgomp1-arm64-cross qemu-user >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libgomp1-arm64-cross qemu-user >/dev/null 2>&1; }; }; } || \
+	  echo "the Arm cross-compiler or qemu-user is not installed: the NEON kernels' test will be skipped"
+
+test: lint browser arm-tools
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

@@ -104,6 +104,33 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tmp_path: Path) -> None:
     torch.testing.assert_close(ours, expected.detach(), atol=1e-4, rtol=1e-4)
 
 
+def test_tiny_qwen3_gguf_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 GGUF (arch `qwen3`: Q/K rows as they are, the per-head `attn_q_norm` /
+    `attn_k_norm`) converts back to the HF folder's weights (ffn_down: its Q8_0 rounding) and
+    generates Hugging Face's greedy tokens on the converted folder."""
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    gguf_path, hf_folder = make_tiny_gguf(tmp_path, arch="qwen3", head_dim=32)
+    loaded = load_model(str(gguf_path), torch.float32, "cpu")
+    assert loaded.spec.architecture == "Qwen3ForCausalLM" and loaded.spec.head_dim == 32
+    converted = load_file(loaded.path / "model.safetensors")
+    expected = _expected_hf_tensors(gguf_path, hf_folder)
+    assert converted.keys() == expected.keys()
+    assert "model.layers.1.self_attn.k_norm.weight" in converted
+    for name, tensor in expected.items():
+        assert torch.equal(converted[name], tensor), name
+
+    llm = LLM(str(gguf_path), dtype="float32", kv_cache_memory="16M")
+    prompt = loaded.tokenizer("The capital of France is").input_ids
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ours = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    reference = AutoModelForCausalLM.from_pretrained(loaded.path).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        theirs = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+
+
 def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float) -> np.ndarray:
     """`rope_freqs.weight` as llama.cpp's converter writes it for Llama 3.1 (its own loop)."""
     low_freq_factor, high_freq_factor, old_context_len = 1.0, 4.0, 8192

@@ -598,7 +598,8 @@ def test_the_library_is_keyed_by_the_cpus_instruction_set(tmp_path):
 
 
 def test_isa_levels_follow_the_cpus_flags(caplog):
-    """The levels a CPU runs come from its flags (only `portable` off x86); the best loads
+    """The levels a CPU runs come from its flags on x86 (`neon` and `portable` on 64-bit Arm,
+    only `portable` elsewhere); the best loads
     unless `BATCHINFER_CPU_ISA` names one; one the CPU lacks steps down, logged; an unknown
     name is an error."""
     v3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sse4_2", "ssse3", "popcnt",
@@ -607,7 +608,8 @@ def test_isa_levels_follow_the_cpus_flags(caplog):
     assert native.supported_levels(every, "x86_64") == ("avx512", "avx2", "portable")
     assert native.supported_levels(frozenset(v3), "x86_64") == ("avx2", "portable")
     assert native.supported_levels(frozenset({"avx2", "sse4_2"}), "x86_64") == ("portable",)
-    assert native.supported_levels(every, "aarch64") == ("portable",)
+    assert native.supported_levels(every, "aarch64") == ("neon", "portable")
+    assert native.supported_levels(every, "riscv64") == ("portable",)
     assert native.choose_level(None, ("avx2", "portable")) == "avx2"
     assert native.choose_level("auto", ("avx512", "avx2", "portable")) == "avx512"
     assert native.choose_level("portable", ("avx512", "avx2", "portable")) == "portable"
@@ -621,6 +623,8 @@ def test_isa_levels_follow_the_cpus_flags(caplog):
     assert not any(f.startswith("-march") for f in native.level_flags("portable", "x86_64",
                                                                       frozenset()))
     assert "-march=native" in native.level_flags("portable", "aarch64")
+    assert "-DBI_FORCE_PORTABLE" in native.level_flags("portable", "aarch64")
+    assert "-DBI_FORCE_PORTABLE" not in native.level_flags("neon", "aarch64")
     with pytest.raises(ValueError, match="unknown ISA level"):
         native.level_flags("sse9")
 

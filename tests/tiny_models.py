@@ -22,14 +22,16 @@ import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from batchinfer.models import AttentionFn
@@ -51,7 +53,8 @@ _CORPUS = [
     "attention is all you need; rotary position embeddings rotate pairs",
 ] * 4
 
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+            "qwen3": Qwen3Config, "phi3": Phi3Config}
 
 
 def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -77,7 +80,8 @@ def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a tiny random `arch` ("llama" | "qwen2" | "mistral") model; returns its folder.
+    """Save a tiny random `arch` (a key of `_CONFIGS`: "llama", "qwen2", "qwen3", ...) model,
+    built with transformers' own config class; returns its folder.
 
     Defaults: 2 layers, hidden 64, 4 heads, 2 KV heads (head_dim 16), intermediate 128,
     vocab 300, max_position_embeddings 512. `overrides` go into the transformers config
@@ -103,6 +107,8 @@ def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
     }
     if arch == "mistral":
         params["sliding_window"] = None
+    if arch == "phi3":
+        params["pad_token_id"] = 0
     params.update(overrides)
     config = _CONFIGS[arch](**params)
     torch.manual_seed(seed)
@@ -115,6 +121,32 @@ def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
     )
     make_tiny_tokenizer(config.vocab_size).save_pretrained(folder, save_jinja_files=False)
     return folder
+
+
+def round_weights_like(model_dir: Path, rounded_dir: Path, quantization: str) -> None:
+    """Copy `model_dir` into `rounded_dir` with the decoder layers' projections rounded as
+    `quantization` ("q8" | "q4") stores them, the reference its kernels must match. The LM
+    head is first put on Q8_0's grid in BOTH folders, so every form a head may take holds it
+    exactly (as the embedded GGUF's head is)."""
+    from batchinfer.models.linear_kernels import dequantize_q4, quantize_q4
+    from batchinfer.native.linear import quantize_q8
+
+    def q8(tensor: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_q8(tensor.float())
+        return (q.float() * scale[..., None]).flatten(1)
+
+    rounded = {"q8": q8, "q4": lambda t: dequantize_q4(*quantize_q4(t.float()))}[quantization]
+    rounded_dir.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            (rounded_dir / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = q8(tensors["lm_head.weight"])
+    save_file(tensors, model_dir / "model.safetensors")
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight"):  # the decoder layers'
+            tensors[name] = rounded(tensor).to(tensor.dtype)
+    save_file(tensors, rounded_dir / "model.safetensors")
 
 
 @torch.no_grad()
@@ -136,6 +168,8 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -149,20 +183,23 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def make_tiny_gguf(
-    tmp_path: Path, seed: int = 0, rope_freqs: np.ndarray | None = None, **overrides: Any
+    tmp_path: Path, seed: int = 0, rope_freqs: np.ndarray | None = None, arch: str = "llama",
+    **overrides: Any
 ) -> tuple[Path, Path]:
-    """A tiny Llama written as a GGUF the way llama.cpp's converter does; (gguf, HF folder).
+    """A tiny `arch` ("llama" | "qwen3") model written as a GGUF the way llama.cpp's converter
+    does; (gguf, HF folder).
 
     Tensors are float32 except `blk.*.ffn_down`, stored as Q8_0 (so those differ from the HF
-    folder by the Q8_0 rounding). The tokenizer is stored as llama.cpp's "gpt2" BPE metadata,
-    with the ChatML chat template. `rope_freqs` adds llama.cpp's Llama-3 `rope_freqs.weight`.
+    folder by the Q8_0 rounding); a Llama's Q/K rows are permuted as llama.cpp permutes them.
+    The tokenizer is stored as llama.cpp's "gpt2" BPE metadata, with the ChatML chat template.
+    `rope_freqs` adds llama.cpp's Llama-3 `rope_freqs.weight`.
     """
-    folder = make_tiny_llama(tmp_path, "llama", seed=seed, **overrides)
+    folder = make_tiny_llama(tmp_path, arch, seed=seed, **overrides)
     config = json.loads((folder / "config.json").read_text())
     tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
-    path = tmp_path / "tiny-llama.gguf"
-    writer = gguf.GGUFWriter(path, arch="llama")
-    writer.add_name("tiny llama")
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_name(f"tiny {arch}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -171,10 +208,12 @@ def make_tiny_gguf(
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     _add_tokenizer(writer, tokenizer_json)
     for name, tensor in load_file(folder / "model.safetensors").items():
-        _add_tensor(writer, name, tensor.numpy(), config)
+        _add_tensor(writer, name, tensor.numpy(), config, permute=arch == "llama")
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
@@ -203,7 +242,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: dict[str, Any]) -> N
 
 
 def _add_tensor(
-    writer: gguf.GGUFWriter, hf_name: str, weight: np.ndarray, config: dict[str, Any]
+    writer: gguf.GGUFWriter, hf_name: str, weight: np.ndarray, config: dict[str, Any],
+    permute: bool,
 ) -> None:
     if hf_name == "model.embed_tokens.weight":
         name = "token_embd.weight"
@@ -215,9 +255,9 @@ def _add_tensor(
         _, _, layer, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
         name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
-    if ".attn_q." in name:
+    if permute and ".attn_q." in name:
         weight = llama_cpp_permute(weight, config["num_attention_heads"])
-    elif ".attn_k." in name:
+    elif permute and ".attn_k." in name:
         weight = llama_cpp_permute(weight, config["num_key_value_heads"])
     if ".ffn_down." in name:
         qtype = gguf.GGMLQuantizationType.Q8_0

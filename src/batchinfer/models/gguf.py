@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from batchinfer.models.files import write_cache_json
-from batchinfer.models.llama import rope_inverse_frequencies
+from batchinfer.models.rope import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ STORED_FORMAT = "gguf_weight_format.json"
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
 }
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -55,6 +56,8 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -19,11 +19,13 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchinfer.core.paths import default_cache_dir
+from batchinfer.models.families import model_class
 from batchinfer.models.files import read_json
 from batchinfer.models.gguf import FLOAT_WEIGHTS, WeightFormat, convert_gguf, weight_format
 from batchinfer.models.hub import resolve_source
-from batchinfer.models.llama import LlamaForCausalLM, ModelSpec, checkpoint_names
+from batchinfer.models.llama import LlamaForCausalLM
 from batchinfer.models.registry import SourceKind
+from batchinfer.models.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +77,10 @@ def load_model(
 def load_weights(
     folder: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device
 ) -> LlamaForCausalLM:
-    """Build the model on the meta device and assign the (fused, cast, moved) checkpoint."""
+    """Build the model (the module `spec.architecture` names) on the meta device and assign
+    the (fused, cast, moved) checkpoint."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = model_class(spec)(spec)
     tensor_files = _tensor_files(folder)
     state: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
@@ -95,7 +98,7 @@ def load_weights(
                 raise ValueError(f"{file}: cannot read tensor {hf_name!r} ({exc})") from exc
 
         for name, param in model.named_parameters():
-            parts = [read(hf_name) for hf_name in checkpoint_names(name)]
+            parts = [read(hf_name) for hf_name in model.checkpoint_names(name)]
             # Always a fresh tensor on `device` (`cat` makes one, `copy=True` the other): a tensor
             # read as is would keep the file's memory map (and every page of it the process
             # touched) resident while it lives.
@@ -106,7 +109,7 @@ def load_weights(
             )
             if tensor.shape != param.shape:
                 raise ValueError(
-                    f"{folder}: tensor(s) {', '.join(checkpoint_names(name))} have shape "
+                    f"{folder}: tensor(s) {', '.join(model.checkpoint_names(name))} have shape "
                     f"{tuple(tensor.shape)}, config.json implies {tuple(param.shape)}"
                 )
             state[name] = tensor

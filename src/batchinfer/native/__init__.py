@@ -1,14 +1,15 @@
-"""The CPU kernels of `cpu_kernels.c`, compiled for this machine at first use and loaded with
-ctypes.
+"""The CPU kernels of `cpu_kernels.c` (each instruction-set level's own in `kernels/`),
+compiled for this machine at first use and loaded with ctypes.
 
 Why compiled here rather than shipped: the fastest code differs by CPU, so the library is built
 by the system C compiler (`$CC`, else `cc`) into the cache folder, once per instruction-set
 level (`ISA_LEVELS`): `avx512` (`-march=native` on a CPU with AVX-512 F and BW), `avx2`
-(`-march=x86-64-v3`: AVX2, FMA, F16C) and `portable` (`-march=x86-64-v2`, the C loops the
-compiler vectorizes; `-march=native` off x86, where it is the only level). `library()` loads the
+(`-march=x86-64-v3`: AVX2, FMA, F16C), `neon` (64-bit Arm, `-march=native`: the hand-written
+NEON kernels) and `portable` (`-march=x86-64-v2` on x86, `-march=native` elsewhere: the C loops
+the compiler vectorizes; the only level off x86 and 64-bit Arm). `library()` loads the
 best level the CPU reports, or the one `BATCHINFER_CPU_ISA` names (`auto` | `avx512` | `avx2` |
-`portable`; another name is a `ValueError`, a level the CPU lacks is logged and the best one
-below it loads instead); `isa_level()` says which. Only that level is compiled at start-up
+`neon` | `portable`; another name is a `ValueError`, a level the CPU lacks is logged and the
+best one below it loads instead); `isa_level()` says which. Only that level is compiled at start-up
 (about a second); the others are built when asked for (`library(level=...)`). Each build is
 keyed by the source, the compiler, the flags, the CPU model and its instruction-set flags: a
 restart, or another process, loads it without compiling. No compiler, or a failed build:
@@ -42,6 +43,8 @@ from batchinfer.core.paths import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Each instruction-set level's kernels, and the contract they share (included by SOURCE).
+HEADERS = tuple(sorted(Path(__file__).with_name("kernels").glob("*.h")))
 # -fno-strict-aliasing: 16-bit inputs are read as 32-bit pairs; -fno-math-errno: lrintf and
 # sqrtf become single instructions.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-strict-aliasing",
@@ -49,7 +52,7 @@ COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-stric
 LIBS = ("-lm",)
 
 # The instruction-set levels a build targets, best first, and the CPU flags each needs (x86).
-ISA_LEVELS = ("avx512", "avx2", "portable")
+ISA_LEVELS = ("avx512", "avx2", "neon", "portable")
 LEVEL_CPU_FLAGS = {
     "avx512": frozenset({"avx512f", "avx512bw", "avx2", "fma", "f16c"}),
     # x86-64-v3: the compiler may use any of these (lzcnt is `abm`'s)
@@ -57,6 +60,8 @@ LEVEL_CPU_FLAGS = {
     "portable": frozenset(),
 }
 X86_MACHINES = ("x86_64", "amd64", "AMD64")
+# 64-bit Arm, where Advanced SIMD (NEON) is part of the architecture
+ARM64_MACHINES = ("aarch64", "arm64", "ARM64")
 # x86-64-v2: every x86-64 CPU of the last fifteen years
 PORTABLE_X86_FLAGS = frozenset({"sse4_2", "ssse3", "popcnt", "cx16"})
 
@@ -112,17 +117,24 @@ def compiler() -> str | None:
 @functools.cache
 def source_digest() -> str:
     """A digest of the kernels' source: cached choices measured with other code are stale."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for path in (SOURCE, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def supported_levels(flags: frozenset[str] | None = None,
                      machine: str | None = None) -> tuple[str, ...]:
     """The levels of `ISA_LEVELS` a CPU with these instruction-set `flags` (default: this
-    one's) runs, best first; `portable` always (the only one off x86)."""
-    if (machine or platform.machine()) not in X86_MACHINES:
+    one's) runs, best first: on x86 by its flags, `neon` on 64-bit Arm, `portable` always."""
+    machine = machine or platform.machine()
+    if machine in ARM64_MACHINES:
+        return ("neon", "portable")
+    if machine not in X86_MACHINES:
         return ("portable",)
     have = cpu_flags() if flags is None else flags
-    return tuple(level for level in ISA_LEVELS if LEVEL_CPU_FLAGS[level] <= have)
+    return tuple(level for level in ISA_LEVELS
+                 if level in LEVEL_CPU_FLAGS and LEVEL_CPU_FLAGS[level] <= have)
 
 
 def choose_level(requested: str | None, supported: Sequence[str]) -> str:
@@ -149,7 +161,9 @@ def level_flags(level: str, machine: str | None = None,
     if level not in ISA_LEVELS:
         raise ValueError(f"unknown ISA level {level!r}: one of {', '.join(ISA_LEVELS)}")
     if (machine or platform.machine()) not in X86_MACHINES:
-        return ("-march=native", *COMMON_FLAGS)
+        # off x86 the compiler targets this CPU; the portable level leaves out the NEON file
+        forced = ("-DBI_FORCE_PORTABLE",) if level == "portable" else ()
+        return ("-march=native", *forced, *COMMON_FLAGS)
     if level == "avx512":
         return ("-march=native", *COMMON_FLAGS)
     if level == "avx2":

@@ -46,7 +46,7 @@ from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.files import write_cache_json
 from batchinfer.models.linear_kernels import BUCKET_NAMES, KernelLinear, bucket_of
-from batchinfer.models.llama import DecoderLayer, LlamaForCausalLM
+from batchinfer.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 from batchinfer.native.linear import NativeLinear
 from batchinfer.runner.backends.paged_rows import PagedRowsBackend
 from batchinfer.runner.input_batch import StepInputs, prepare_inputs
@@ -89,6 +89,9 @@ class NativeDecoder:
             return None, "the native kernels are not built here"
         if not isinstance(model, LlamaForCausalLM):
             return None, "not a Llama-family model"
+        why = unsupported_layers(model)
+        if why is not None:
+            return None, why
         if not isinstance(backend, PagedRowsBackend) or backend.kv_dtype not in native.KV_TYPES:
             return None, ("needs a KV cache in the block-rows layout of float32, float16, "
                           "bfloat16 or FP8")
@@ -217,6 +220,27 @@ class NativeDecoder:
             self._work, logits))
         self.lib.bi_decode(ctypes.byref(struct), rows, *pointers, threads)
         return logits
+
+
+def unsupported_layers(model: LlamaForCausalLM) -> str | None:
+    """Why `bi_decode` does not compute `model`'s function, or None where it does: it computes
+    Llama's layer exactly (SwiGLU, full attention at `1 / sqrt(head_dim)`, no q/k norms, no
+    norms after the sublayers, unscaled embeddings and logits)."""
+    spec, cls = model.spec, type(model)
+    plain = (cls.embed is LlamaForCausalLM.embed
+             and cls.compute_logits is LlamaForCausalLM.compute_logits
+             and type(model.norm) is RMSNorm
+             and all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                     and type(layer.input_layernorm) is RMSNorm for layer in model.layers))
+    if not plain:
+        return f"{spec.architecture}'s layers are not the Llama layer the native step computes"
+    if spec.hidden_act != "silu":
+        return f"the native step computes SwiGLU, not {spec.hidden_act}"
+    if spec.sliding_window is not None:
+        return "sliding-window attention is not in the native step"
+    if spec.query_pre_attn_scalar is not None or spec.attn_logit_softcapping is not None:
+        return "a softmax scale other than 1 / sqrt(head_dim), or soft-capping"
+    return None
 
 
 def release_native_forms(model: object, buckets: tuple[bool, ...]) -> None:

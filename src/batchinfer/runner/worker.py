@@ -36,8 +36,8 @@ from batchinfer.models.linear_kernels import (
     choose_weight_form,
     set_int8_inputs,
 )
-from batchinfer.models.llama import ModelSpec
 from batchinfer.models.loader import LoadedModel, load_model
+from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.structured import StructuredOutputs
@@ -126,6 +126,7 @@ class Worker:
         max_model_len = resolve_max_model_len(
             config.max_model_len, loaded.spec, num_blocks * config.block_size, knob
         )
+        loaded.model.fit_context(max_model_len)  # LongRoPE's factors depend on it
         block_bytes = bytes_per_block(loaded.spec, config.block_size, kv_dtype)
         num_swap_blocks = swap_space_blocks(config, block_bytes)
         runner = _make_runner(config, loaded, device, kv_dtype, num_blocks, num_swap_blocks)

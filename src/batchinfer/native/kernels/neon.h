@@ -1,0 +1,242 @@
+/* Arm NEON (AArch64, where Advanced SIMD is always there): the quantized products as 16-bit
+ * integer multiply-adds widening to 32 bits (`smlal`), the float32 GEMV, the inputs' 16-bit
+ * rounding, exp (SiLU, softmax), the decode attention's dot products and maxima, and the
+ * float16 / bfloat16 / 8-bit cache widening, 128 bits at a time. The integer products are
+ * exact, so the results equal the portable level's up to the order of float additions. */
+#include <arm_neon.h>
+#include "common.h"
+
+#define BI_ISA_NAME "neon"
+#define BI_HELD16 0
+#define BI_ACT8 0
+#define BI_FIXED_KV 0
+#define BI_PACKED_FAST 0
+#define BI_SOFTMAX_FAST 0
+#define BI_GELU_FAST 0
+
+/* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
+static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
+    for (int g = 0; g < groups; g++) {
+        float32x4_t v[8];
+        for (int i = 0; i < 8; i++) v[i] = vld1q_f32(x + g * GROUP + 4 * i);
+        float32x4_t top4 = vabsq_f32(v[0]), total4 = v[0];
+        for (int i = 1; i < 8; i++) {
+            top4 = vmaxq_f32(top4, vabsq_f32(v[i]));
+            total4 = vaddq_f32(total4, v[i]);
+        }
+        const float top = vmaxvq_f32(top4);
+        const float32x4_t inv = vdupq_n_f32(top > TINY_GROUP ? 32767.f / top : 0.f);
+        for (int i = 0; i < 8; i += 2) {  /* round to nearest, ties to even; narrow saturating */
+            const int32x4_t a = vcvtnq_s32_f32(vmulq_f32(v[i], inv));
+            const int32x4_t b = vcvtnq_s32_f32(vmulq_f32(v[i + 1], inv));
+            vst1q_s16(q + g * GROUP + 4 * i, vcombine_s16(vqmovn_s32(a), vqmovn_s32(b)));
+        }
+        scale[g] = top / 32767.f;
+        sum[g] = vaddvq_f32(total4);
+    }
+}
+
+/* acc[0], acc[1] += the products of 8 widened weights (4 outputs' weights for an input pair,
+ * side by side) and that input pair, repeated in every 32-bit lane of `x`: lane 2m + e holds
+ * output m's product with input e of the pair; the two lanes are added once per group. */
+static inline __attribute__((always_inline)) void
+pair_products(int32x4_t *acc, int16x8_t w, int16x8_t x) {
+    acc[0] = vmlal_s16(acc[0], vget_low_s16(w), vget_low_s16(x));
+    acc[1] = vmlal_high_s16(acc[1], w, x);
+}
+
+/* 16 outputs of one row of 16-bit inputs, over every group. */
+static inline __attribute__((always_inline)) void
+quant_row(const bi_linear *l, int tile, const int16_t *xq, const float *xs, const float *xsum,
+          float *y, int accumulate) {
+    const int groups = num_groups(l), q4 = l->kind == BI_Q4;
+    const int64_t chunk_bytes = q4 ? 8 * 32 : 16 * 32;
+    const uint8_t *w = (const uint8_t *)l->weight + (int64_t)tile * groups * chunk_bytes;
+    const float *sc = l->scale + (int64_t)tile * groups * TILE_Q;
+    const float *off = q4 ? l->offset + (int64_t)tile * groups * TILE_Q : NULL;
+    float32x4_t out[4];
+    for (int c = 0; c < 4; c++) out[c] = vdupq_n_f32(0.f);
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * chunk_bytes;
+        const int32_t *xp = (const int32_t *)(xq + g * GROUP);
+        int32x4_t acc[8];  /* acc[c]: outputs 2c, 2c + 1, each input of a pair in its lane */
+        for (int c = 0; c < 8; c++) acc[c] = vdupq_n_s32(0);
+        if (q4) {
+            const uint8x16_t low = vdupq_n_u8(0x0f);
+            for (int i = 0; i < 8; i++) {  /* chunk i: pair i low, pair i + 8 high */
+                const int16x8_t xa = vreinterpretq_s16_s32(vdupq_n_s32(xp[i]));
+                const int16x8_t xb = vreinterpretq_s16_s32(vdupq_n_s32(xp[i + 8]));
+                for (int half = 0; half < 2; half++) {
+                    const uint8x16_t b = vld1q_u8(wg + 32 * i + 16 * half);
+                    const uint8x16_t lo = vandq_u8(b, low), hi = vshrq_n_u8(b, 4);
+                    int32x4_t *a = acc + 4 * half;
+                    pair_products(a, vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(lo))), xa);
+                    pair_products(a + 2, vreinterpretq_s16_u16(vmovl_high_u8(lo)), xa);
+                    pair_products(a, vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(hi))), xb);
+                    pair_products(a + 2, vreinterpretq_s16_u16(vmovl_high_u8(hi)), xb);
+                }
+            }
+        } else {
+            for (int p = 0; p < 16; p++) {  /* chunk p: pair p */
+                const int16x8_t xa = vreinterpretq_s16_s32(vdupq_n_s32(xp[p]));
+                for (int half = 0; half < 2; half++) {
+                    const int8x16_t b = vld1q_s8((const int8_t *)wg + 32 * p + 16 * half);
+                    pair_products(acc + 4 * half, vmovl_s8(vget_low_s8(b)), xa);
+                    pair_products(acc + 4 * half + 2, vmovl_high_s8(b), xa);
+                }
+            }
+        }
+        const float32x4_t xsv = vdupq_n_f32(xs[g]);
+        for (int c = 0; c < 4; c++) {  /* outputs 4c..4c+3 */
+            const float32x4_t dot = vcvtq_f32_s32(vpaddq_s32(acc[2 * c], acc[2 * c + 1]));
+            out[c] = vfmaq_f32(out[c], dot, vmulq_f32(vld1q_f32(sc + g * TILE_Q + 4 * c), xsv));
+            if (q4)
+                out[c] = vfmaq_n_f32(out[c], vld1q_f32(off + g * TILE_Q + 4 * c), xsum[g]);
+        }
+    }
+    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
+    for (int c = 0; c < 4; c++) {
+        float32x4_t v = out[c];
+        if (bias) v = vaddq_f32(v, vld1q_f32(bias + 4 * c));
+        if (accumulate) v = vaddq_f32(v, vld1q_f32(y + 4 * c));
+        vst1q_f32(y + 4 * c, v);
+    }
+}
+
+/* A quantized tile (16 outputs) for `rows` (1..4) rows, a row at a time (its 8 accumulators
+ * of 32-bit pairs and the widened weights fill the registers). */
+static inline __attribute__((always_inline)) void
+quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y, int64_t ldy,
+           int accumulate) {
+    const int groups = num_groups(l);
+    for (int r = 0; r < rows; r++)
+        quant_row(l, tile, in->q + (int64_t)r * l->k, in->scale + (int64_t)r * groups,
+                  in->sum + (int64_t)r * groups, y + r * ldy + tile * TILE_Q, accumulate);
+}
+
+/* A float32 tile (4 outputs) for `rows` (1..4) rows: two chains per output. */
+static inline __attribute__((always_inline)) void
+f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows, float *y,
+         int64_t ldy, int accumulate) {
+    const int k = l->k;
+    const float *w = (const float *)l->weight + (int64_t)tile * TILE_F32 * k;
+    const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float32x4_t a[TILE_F32], b[TILE_F32];
+        for (int j = 0; j < TILE_F32; j++) a[j] = b[j] = vdupq_n_f32(0.f);
+        int i = 0;
+        for (; i + 8 <= k; i += 8) {
+            const float32x4_t x0 = vld1q_f32(xr + i), x1 = vld1q_f32(xr + i + 4);
+            for (int j = 0; j < TILE_F32; j++) {
+                a[j] = vfmaq_f32(a[j], vld1q_f32(w + (int64_t)j * k + i), x0);
+                b[j] = vfmaq_f32(b[j], vld1q_f32(w + (int64_t)j * k + i + 4), x1);
+            }
+        }
+        for (int j = 0; j < TILE_F32; j++) {
+            float total = vaddvq_f32(vaddq_f32(a[j], b[j]));
+            for (int t = i; t < k; t++) total += w[(int64_t)j * k + t] * xr[t];
+            finish(y + r * ldy + tile * TILE_F32, j, total, bias, accumulate);
+        }
+    }
+}
+
+/* e^x as the x86 levels compute it (x clamped to [-87, 88], degree-6 polynomial of the
+ * fraction, 2^r from r's exponent bits). */
+static inline float32x4_t exp4_ps(float32x4_t x) {
+    x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.f)), vdupq_n_f32(88.f));
+    const float32x4_t t = vmulq_f32(x, vdupq_n_f32(1.44269504088896341f));
+    const float32x4_t r = vrndnq_f32(t);
+    const float32x4_t f = vmulq_f32(vsubq_f32(t, r), vdupq_n_f32(0.693147180559945309f));
+    float32x4_t p = vdupq_n_f32(1.f / 720.f);
+    p = vfmaq_f32(vdupq_n_f32(1.f / 120.f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.f / 24.f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.f / 6.f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.f), p, f);
+    const int32x4_t two_r = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(r), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(two_r));
+}
+
+/* Four float16 bit patterns as float32. */
+static inline float32x4_t f16x4_to_f32(uint16x4_t h) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
+/* The vector parts of the driver's loops (see common.h). */
+BI_INLINE int64_t kv_widen(const void *src, int64_t n, int type, float *dst) {
+    int64_t i = 0;
+    const uint16_t *h = src;
+    const uint8_t *b = src;
+    switch (type) {
+    case BI_KV_F16:
+        for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, f16x4_to_f32(vld1_u16(h + i)));
+        return i;
+    case BI_KV_BF16:
+        for (; i + 4 <= n; i += 4)
+            vst1q_f32(dst + i, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(h + i), 16)));
+        return i;
+    case BI_KV_E5M2:  /* float16's top byte */
+        for (; i + 8 <= n; i += 8) {
+            const uint16x8_t e = vshll_n_u8(vld1_u8(b + i), 8);
+            vst1q_f32(dst + i, f16x4_to_f32(vget_low_u16(e)));
+            vst1q_f32(dst + i + 4, f16x4_to_f32(vget_high_u16(e)));
+        }
+        return i;
+    case BI_KV_E4M3: {  /* its fields moved into a float16, times 2^8 */
+        const float32x4_t two8 = vdupq_n_f32(256.f);
+        for (; i + 8 <= n; i += 8) {
+            const uint16x8_t x = vmovl_u8(vld1_u8(b + i));
+            const uint16x8_t e = vorrq_u16(vshlq_n_u16(vandq_u16(x, vdupq_n_u16(0x80)), 8),
+                                           vshlq_n_u16(vandq_u16(x, vdupq_n_u16(0x7F)), 7));
+            vst1q_f32(dst + i, vmulq_f32(f16x4_to_f32(vget_low_u16(e)), two8));
+            vst1q_f32(dst + i + 4, vmulq_f32(f16x4_to_f32(vget_high_u16(e)), two8));
+        }
+        return i;
+    }
+    default: return 0;
+    }
+}
+
+BI_INLINE int silu_mul_span(float *out, const float *g, const float *u, int i, int last) {
+    const float32x4_t one = vdupq_n_f32(1.f);
+    for (; i + 4 <= last; i += 4) {
+        const float32x4_t v = vld1q_f32(g + i);
+        const float32x4_t e = exp4_ps(vnegq_f32(v));
+        vst1q_f32(out + i, vmulq_f32(vdivq_f32(v, vaddq_f32(one, e)), vld1q_f32(u + i)));
+    }
+    return i;
+}
+
+BI_INLINE int exp_shifted_span(float *s, int n, float m, float *sum) {
+    int i = 0;
+    float32x4_t acc = vdupq_n_f32(0.f);
+    const float32x4_t mv = vdupq_n_f32(m);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t p = exp4_ps(vsubq_f32(vld1q_f32(s + i), mv));
+        vst1q_f32(s + i, p);
+        acc = vaddq_f32(acc, p);
+    }
+    *sum = vaddvq_f32(acc);
+    return i;
+}
+
+BI_INLINE int dot_span(const float *a, const float *b, int d, float *sum) {
+    if (d % 16) return 0;
+    float32x4_t acc[4];  /* four chains */
+    for (int c = 0; c < 4; c++) acc[c] = vmulq_f32(vld1q_f32(a + 4 * c), vld1q_f32(b + 4 * c));
+    for (int i = 16; i < d; i += 16)
+        for (int c = 0; c < 4; c++)
+            acc[c] = vfmaq_f32(acc[c], vld1q_f32(a + i + 4 * c), vld1q_f32(b + i + 4 * c));
+    *sum = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+    return d;
+}
+
+BI_INLINE int max_span(const float *s, int n, float *best) {
+    int t = 0;
+    float32x4_t top = vdupq_n_f32(*best);
+    for (; t + 4 <= n; t += 4) top = vmaxq_f32(top, vld1q_f32(s + t));
+    *best = vmaxvq_f32(top);
+    return t;
+}

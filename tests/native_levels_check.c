@@ -1,0 +1,305 @@
+/* Checks one build of the native kernels against another (the portable level), entry point by
+ * entry point, on random inputs at odd shapes: the linears (float32, q4, q8; 1-9 rows, 1-3
+ * threads, bias, accumulation), the cache widening, SiLU, the packed attention and whole decode
+ * steps over two cache types. tests/test_native_levels.py builds both libraries and this
+ * program and runs it: natively for the levels this CPU runs, under qemu-user for Arm NEON.
+ *
+ *   native_levels_check LEVEL.so PORTABLE.so    prints "ok NAME" per check; exit 1 on a mismatch
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+typedef int (*linear_fn)(const bi_linear *, int, const float *, float *, int, int);
+typedef void (*kv_load_fn)(const void *, int64_t, int, float *);
+typedef void (*kv_store_fn)(const float *, int64_t, int, float, void *);
+typedef void (*silu_fn)(const float *, int, int, float *, int);
+typedef int (*packed_fn)(int, const int64_t *, const int64_t *, int, int, int, int,
+                         const float *, int64_t, const float *, int64_t, const float *, int64_t,
+                         float *, int64_t, float, int, int);
+typedef int64_t (*work_fn)(const bi_model *, int, int);
+typedef void (*decode_fn)(const bi_model *, int, const int64_t *, const int64_t *,
+                          const int64_t *, const int64_t *, const int64_t *, const int64_t *,
+                          float *, float *, int);
+typedef const char *(*isa_fn)(void);
+
+typedef struct {
+    linear_fn linear;
+    kv_load_fn kv_load;
+    kv_store_fn kv_store;
+    silu_fn silu;
+    packed_fn packed;
+    work_fn work;
+    decode_fn decode;
+    isa_fn isa;
+} kernels;
+
+static int failures = 0;
+
+static void *must(void *lib, const char *name) {
+    void *f = dlsym(lib, name);
+    if (!f) {
+        fprintf(stderr, "missing %s: %s\n", name, dlerror());
+        exit(2);
+    }
+    return f;
+}
+
+static kernels open_kernels(const char *path) {
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        fprintf(stderr, "cannot load %s: %s\n", path, dlerror());
+        exit(2);
+    }
+    kernels k = {(linear_fn)must(lib, "bi_linear_forward"), (kv_load_fn)must(lib, "bi_kv_load"),
+                 (kv_store_fn)must(lib, "bi_kv_store"), (silu_fn)must(lib, "bi_silu_mul_rows"),
+                 (packed_fn)must(lib, "bi_packed_attention"),
+                 (work_fn)must(lib, "bi_work_floats"), (decode_fn)must(lib, "bi_decode"),
+                 (isa_fn)must(lib, "bi_isa")};
+    return k;
+}
+
+static uint64_t state = 0x9E3779B97F4A7C15ull;
+static uint32_t next_u32(void) {  /* xorshift64* */
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    return (uint32_t)((state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+static float uniform(void) { return (float)next_u32() / 4294967296.f * 2.f - 1.f; }
+static float *random_floats(int64_t n, float scale) {
+    float *x = malloc(sizeof(float) * (size_t)(n ? n : 1));
+    for (int64_t i = 0; i < n; i++) x[i] = uniform() * scale;
+    return x;
+}
+static void *random_bytes(int64_t n) {
+    uint8_t *b = malloc((size_t)(n ? n : 1));
+    for (int64_t i = 0; i < n; i++) b[i] = (uint8_t)next_u32();
+    return b;
+}
+
+/* Reports whether `got` matches `want` to within `tol` of the larger of 1 and want's largest
+ * magnitude (NaNs must sit at the same places). */
+static void compare(const char *name, const float *got, const float *want, int64_t n, float tol) {
+    float top = 1.f, worst = 0.f;
+    for (int64_t i = 0; i < n; i++)
+        if (isfinite(want[i]) && fabsf(want[i]) > top) top = fabsf(want[i]);
+    int64_t at = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(want[i]) || isnan(got[i])) {
+            if (isnan(want[i]) != isnan(got[i])) { worst = INFINITY; at = i; }
+            continue;
+        }
+        const float err = want[i] == got[i] ? 0.f : fabsf(got[i] - want[i]);
+        if (err > worst) { worst = err; at = i; }
+    }
+    if (worst > tol * top) {
+        failures++;
+        printf("FAIL %s: error %g at %lld (want %g, got %g; scale %g)\n", name, worst,
+               (long long)at, want[at], got[at], top);
+    } else {
+        printf("ok %s\n", name);
+    }
+}
+
+static bi_linear random_linear(int kind, int n, int k, int bias) {
+    bi_linear l = {kind, n, k, 0, NULL, NULL, NULL, NULL};
+    const int64_t tiles = n / TILE_Q, groups = k / GROUP;
+    if (kind == BI_F32) {
+        l.weight = random_floats((int64_t)n * k, 0.2f);
+    } else {
+        l.weight = random_bytes(tiles * groups * (kind == BI_Q4 ? 256 : 512));
+        l.scale = random_floats(tiles * groups * TILE_Q, 0.01f);
+        if (kind == BI_Q4) l.offset = random_floats(tiles * groups * TILE_Q, 0.05f);
+    }
+    if (bias) l.bias = random_floats(n, 0.5f);
+    return l;
+}
+
+static void check_linears(kernels a, kernels b) {
+    const int kinds[] = {BI_F32, BI_Q4, BI_Q8};
+    const char *names[] = {"f32", "q4", "q8"};
+    const int shapes[][2] = {{16, 32}, {48, 96}, {32, 160}, {20, 37}};  /* n, k */
+    for (int ki = 0; ki < 3; ki++)
+        for (int s = 0; s < 4; s++) {
+            const int n = shapes[s][0], k = shapes[s][1];
+            if (kinds[ki] != BI_F32 && (n % TILE_Q || k % GROUP)) continue;
+            for (int rows = 1; rows <= 9; rows += 2)
+                for (int threads = 1; threads <= 3; threads++) {
+                    const int bias = (rows + threads) % 2, accumulate = threads == 2;
+                    bi_linear l = random_linear(kinds[ki], n, k, bias);
+                    float *x = random_floats((int64_t)rows * k, 2.f);
+                    float *y0 = random_floats((int64_t)rows * n, 1.f);
+                    float *y1 = malloc(sizeof(float) * rows * n);
+                    memcpy(y1, y0, sizeof(float) * rows * n);
+                    char name[96];
+                    snprintf(name, sizeof name, "linear %s n=%d k=%d rows=%d threads=%d%s%s",
+                             names[ki], n, k, rows, threads, bias ? " bias" : "",
+                             accumulate ? " accumulate" : "");
+                    if (a.linear(&l, rows, x, y0, accumulate, threads) ||
+                        b.linear(&l, rows, x, y1, accumulate, threads)) {
+                        printf("FAIL %s: no scratch\n", name);
+                        failures++;
+                    } else {
+                        compare(name, y0, y1, (int64_t)rows * n, 2e-5f);
+                    }
+                    free((void *)l.weight); free((void *)l.scale); free((void *)l.offset);
+                    free((void *)l.bias); free(x); free(y0); free(y1);
+                }
+        }
+}
+
+static void check_elementwise(kernels a, kernels b) {
+    const char *types[] = {"f32", "f16", "bf16", "e4m3", "e5m2"};
+    for (int type = 0; type < 5; type++) {
+        const int64_t n = 77;
+        void *src = random_bytes(n * 4);
+        float *y0 = malloc(sizeof(float) * n), *y1 = malloc(sizeof(float) * n);
+        a.kv_load(src, n, type, y0);
+        b.kv_load(src, n, type, y1);
+        char name[64];
+        snprintf(name, sizeof name, "kv_load %s", types[type]);
+        compare(name, y0, y1, n, 0.f);  /* widening is exact */
+        free(src); free(y0); free(y1);
+    }
+    for (int inter = 3; inter <= 67; inter += 32) {
+        const int rows = 9;
+        float *gu = random_floats((int64_t)rows * 2 * inter, 6.f);
+        float *y0 = malloc(sizeof(float) * rows * inter), *y1 = malloc(sizeof(float) * rows * inter);
+        a.silu(gu, rows, inter, y0, 2);
+        b.silu(gu, rows, inter, y1, 2);
+        char name[64];
+        snprintf(name, sizeof name, "silu_mul inter=%d", inter);
+        compare(name, y0, y1, (int64_t)rows * inter, 1e-5f);
+        free(gu); free(y0); free(y1);
+    }
+}
+
+static void check_packed_attention(kernels a, kernels b) {
+    const int64_t lengths[] = {1, 7, 33, 18}, starts[] = {0, 1, 8, 41};
+    const int seqs = 4, total = 59, heads = 4, kv_heads = 2;
+    for (int d = 16; d <= 64; d *= 2)
+        for (int causal = 0; causal < 2; causal++) {
+            float *q = random_floats((int64_t)total * heads * d, 1.f);
+            float *k = random_floats((int64_t)total * kv_heads * d, 1.f);
+            float *v = random_floats((int64_t)total * kv_heads * d, 1.f);
+            float *o0 = calloc((size_t)total * heads * d, sizeof(float));
+            float *o1 = calloc((size_t)total * heads * d, sizeof(float));
+            const float scale = 1.f / sqrtf((float)d);
+            a.packed(seqs, starts, lengths, 33, heads, kv_heads, d, q, heads * d, k, kv_heads * d,
+                     v, kv_heads * d, o0, heads * d, scale, causal, 2);
+            b.packed(seqs, starts, lengths, 33, heads, kv_heads, d, q, heads * d, k, kv_heads * d,
+                     v, kv_heads * d, o1, heads * d, scale, causal, 2);
+            char name[64];
+            snprintf(name, sizeof name, "packed_attention d=%d%s", d, causal ? " causal" : "");
+            compare(name, o0, o1, (int64_t)total * heads * d, 1e-5f);
+            free(q); free(k); free(v); free(o0); free(o1);
+        }
+}
+
+/* A two-layer model of random weights of `kind` and a KV cache of `kv_type` (filled by the
+ * reference's own stores, so both libraries read the same bytes). */
+typedef struct {
+    bi_model m;
+    bi_layer layers[2];
+    int64_t cache_bytes;
+} tiny_model;
+
+static tiny_model tiny(int kind, int kv_type, kernels ref) {
+    tiny_model t;
+    memset(&t, 0, sizeof t);
+    bi_model *m = &t.m;
+    m->num_layers = 2; m->hidden = 64; m->num_heads = 4; m->num_kv_heads = 2; m->head_dim = 32;
+    m->intermediate = 96; m->vocab = 80; m->block_size = 16; m->eps = 1e-5f;
+    m->kv_type = kv_type; m->num_blocks = 8;
+    const int max_positions = 128, half = m->head_dim / 2;
+    m->embed = random_floats((int64_t)m->vocab * m->hidden, 1.f);
+    m->final_norm = random_floats(m->hidden, 1.f);
+    float *cos_t = malloc(sizeof(float) * max_positions * half);
+    float *sin_t = malloc(sizeof(float) * max_positions * half);
+    for (int p = 0; p < max_positions; p++)
+        for (int i = 0; i < half; i++) {
+            const float angle = p * powf(10000.f, -2.f * i / m->head_dim);
+            cos_t[p * half + i] = cosf(angle);
+            sin_t[p * half + i] = sinf(angle);
+        }
+    m->rope_cos = cos_t;
+    m->rope_sin = sin_t;
+    const int qkv_n = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    for (int li = 0; li < 2; li++) {
+        bi_layer *L = t.layers + li;
+        L->input_norm = random_floats(m->hidden, 1.f);
+        L->post_norm = random_floats(m->hidden, 1.f);
+        L->qkv = random_linear(kind, qkv_n, m->hidden, li == 0);
+        L->o = random_linear(kind, m->hidden, m->num_heads * m->head_dim, 0);
+        L->gate_up = random_linear(kind, 2 * m->intermediate, m->hidden, 0);
+        L->down = random_linear(kind, m->hidden, m->intermediate, 0);
+    }
+    m->layers = t.layers;
+    m->lm_head = random_linear(BI_F32, m->vocab, m->hidden, 0);
+    const int64_t elements = 2 * m->num_blocks * 2 * m->num_kv_heads * m->block_size * m->head_dim;
+    const int64_t eb = kv_type == BI_KV_F32 ? 4 : kv_type <= BI_KV_BF16 ? 2 : 1;
+    t.cache_bytes = elements * eb;
+    float *values = random_floats(elements, 1.f);
+    m->kv_cache = malloc((size_t)t.cache_bytes);
+    ref.kv_store(values, elements, kv_type, 1.f, m->kv_cache);
+    free(values);
+    return t;
+}
+
+static void check_decode(kernels a, kernels b) {
+    const int kinds[] = {BI_F32, BI_Q4, BI_Q8}, kv_types[] = {BI_KV_F32, BI_KV_F16};
+    const char *names[] = {"f32", "q4", "q8"}, *kv_names[] = {"f32", "f16"};
+    for (int ki = 0; ki < 3; ki++)
+        for (int ti = 0; ti < 2; ti++) {
+            tiny_model t = tiny(kinds[ki], kv_types[ti], b);
+            void *cache = t.m.kv_cache, *copy = malloc((size_t)t.cache_bytes);
+            memcpy(copy, cache, (size_t)t.cache_bytes);
+            /* three sequences of 5, 17 and 40 tokens: blocks [0], [1, 2], [3, 4, 5] */
+            const int rows = 3;
+            const int64_t tokens[] = {3, 41, 77}, context[] = {5, 17, 40};
+            const int64_t block_ids[] = {0, 1, 2, 3, 4, 5}, block_starts[] = {0, 1, 3};
+            int64_t positions[3], slots[3];
+            for (int r = 0; r < rows; r++) {
+                positions[r] = context[r] - 1;
+                slots[r] = block_ids[block_starts[r] + positions[r] / 16] * 16 + positions[r] % 16;
+            }
+            for (int threads = 1; threads <= 3; threads += 2) {
+                float *l0 = malloc(sizeof(float) * rows * t.m.vocab);
+                float *l1 = malloc(sizeof(float) * rows * t.m.vocab);
+                float *w0 = malloc(sizeof(float) * a.work(&t.m, rows, threads));
+                float *w1 = malloc(sizeof(float) * b.work(&t.m, rows, threads));
+                t.m.kv_cache = cache;
+                a.decode(&t.m, rows, tokens, positions, slots, context, block_ids, block_starts,
+                         w0, l0, threads);
+                t.m.kv_cache = copy;
+                b.decode(&t.m, rows, tokens, positions, slots, context, block_ids, block_starts,
+                         w1, l1, threads);
+                char name[80];
+                snprintf(name, sizeof name, "decode %s weights, %s cache, threads=%d",
+                         names[ki], kv_names[ti], threads);
+                compare(name, l0, l1, (int64_t)rows * t.m.vocab, 1e-4f);
+                free(l0); free(l1); free(w0); free(w1);
+            }
+            free(copy);
+        }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s LEVEL.so PORTABLE.so\n", argv[0]);
+        return 2;
+    }
+    const kernels level = open_kernels(argv[1]), portable = open_kernels(argv[2]);
+    printf("levels %s %s\n", level.isa(), portable.isa());
+    check_linears(level, portable);
+    check_elementwise(level, portable);
+    check_packed_attention(level, portable);
+    check_decode(level, portable);
+    return failures ? 1 : 0;
+}

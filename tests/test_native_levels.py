@@ -1,0 +1,120 @@
+"""Each instruction-set level's kernels against the portable level's, entry point by entry
+point (`native_levels_check.c`: products, cache widening, SiLU, packed attention, decode
+steps): the levels this CPU runs, natively; the Arm NEON level (`native/kernels/neon.h`) on an
+x86 machine, where the Debian cross-compiler builds the `neon` and `portable` levels for
+64-bit Arm with the flags the loader gives them and `qemu-user` runs the comparison.
+Correctness only: qemu's timings say nothing about an Arm CPU's. The Arm checks are skipped,
+with the reason, where the cross-compiler or qemu is missing (`make test` installs them where
+it can)."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from batchinfer import native
+
+CROSS_CC = "aarch64-linux-gnu-gcc"
+QEMU = "qemu-aarch64"
+SYSROOT = Path("/usr/aarch64-linux-gnu")
+CHECK = Path(__file__).with_name("native_levels_check.c")
+# The cross-compiler's own CPU is not an Arm one: the baseline architecture stands in for
+# `-march=native`.
+BASELINE = "-march=armv8-a"
+
+
+def _arm_tools() -> tuple[str, str]:
+    if platform.machine() in native.ARM64_MACHINES:
+        pytest.skip("an Arm machine runs the neon level natively: tests/test_native.py")
+    cc, qemu = shutil.which(CROSS_CC), shutil.which(QEMU)
+    if cc is None or qemu is None or not SYSROOT.is_dir():
+        pytest.skip(f"no {CROSS_CC} / {QEMU} / {SYSROOT} (Debian: gcc-aarch64-linux-gnu, "
+                    "qemu-user)")
+    return cc, qemu
+
+
+def _build(cc: str, level: str, target: Path, source: Path = native.SOURCE) -> None:
+    flags = [BASELINE if flag == "-march=native" else flag
+             for flag in native.level_flags(level, machine="aarch64")]
+    subprocess.run([cc, *flags, "-o", str(target), str(source), *native.LIBS],
+                   check=True, capture_output=True, text=True, timeout=300)
+
+
+def _compare(cc: str, qemu: str, level_lib: Path, portable_lib: Path, kernels: Path,
+             folder: Path) -> subprocess.CompletedProcess[str]:
+    """Builds the comparison program against `kernels`' common.h and runs it under qemu."""
+    check = folder / "check"
+    subprocess.run([cc, "-O1", f"-I{kernels}", "-o", str(check), str(CHECK), "-ldl", "-lm"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    return subprocess.run([qemu, "-L", str(SYSROOT), str(check), str(level_lib),
+                           str(portable_lib)], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("level", [level for level in native.ISA_LEVELS if level != "portable"])
+def test_each_level_this_cpu_runs_matches_the_portable_one(level, tmp_path):
+    """The comparison program passes for every level this CPU runs, built as the loader
+    builds it, against the portable build."""
+    if level not in native.supported_levels():
+        pytest.skip(f"this CPU does not run the {level} build")
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    libs = {}
+    for name in (level, "portable"):
+        libs[name] = tmp_path / f"{name}.so"
+        subprocess.run([cc, *native.level_flags(name), "-o", str(libs[name]), str(native.SOURCE),
+                        *native.LIBS], check=True, capture_output=True, text=True, timeout=300)
+    check = tmp_path / "check"
+    subprocess.run([cc, "-O1", f"-I{native.SOURCE.parent / 'kernels'}", "-o", str(check),
+                    str(CHECK), "-ldl", "-lm"], check=True, capture_output=True, text=True,
+                   timeout=300)
+    result = subprocess.run([str(check), str(libs[level]), str(libs["portable"])],
+                            capture_output=True, text=True, timeout=600)
+    assert result.stdout.startswith(f"levels {level} portable"), result.stdout + result.stderr
+    failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
+
+
+def test_neon_kernels_match_the_portable_ones_under_qemu(tmp_path):
+    """Every check of the comparison program passes for the neon build against the portable
+    one, and it ran the checks it lists (the linears at every kind and shape, the widening of
+    every cache type, decode steps of every weight kind)."""
+    cc, qemu = _arm_tools()
+    neon, portable = tmp_path / "neon.so", tmp_path / "portable.so"
+    _build(cc, "neon", neon)
+    _build(cc, "portable", portable)
+    result = _compare(cc, qemu, neon, portable, native.SOURCE.parent / "kernels", tmp_path)
+    lines = result.stdout.splitlines()
+    assert lines and lines[0] == "levels neon portable", result.stdout + result.stderr
+    failures = [line for line in lines if line.startswith("FAIL")]
+    assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
+    passed = {line[3:] for line in lines if line.startswith("ok ")}
+    for kind in ("f32", "q4", "q8"):
+        assert sum(name.startswith(f"linear {kind} ") for name in passed) >= 15, kind
+        assert f"decode {kind} weights, f16 cache, threads=3" in passed
+    for kv_type in ("f32", "f16", "bf16", "e4m3", "e5m2"):
+        assert f"kv_load {kv_type}" in passed
+    assert "packed_attention d=64 causal" in passed
+
+
+def test_the_comparison_catches_a_wrong_kernel(tmp_path):
+    """The comparison can fail: a neon build whose q4 products take the wrong input pair for
+    the high nibbles is caught."""
+    cc, qemu = _arm_tools()
+    source = tmp_path / "src"
+    shutil.copytree(native.SOURCE.parent / "kernels", source / "kernels")
+    shutil.copy(native.SOURCE, source / native.SOURCE.name)
+    neon_h = source / "kernels" / "neon.h"
+    right = "vmovl_u8(vget_low_u8(hi))), xb);"
+    assert right in neon_h.read_text()
+    neon_h.write_text(neon_h.read_text().replace(right, "vmovl_u8(vget_low_u8(hi))), xa);"))
+    wrong, portable = tmp_path / "wrong.so", tmp_path / "portable.so"
+    _build(cc, "neon", wrong, source / native.SOURCE.name)
+    _build(cc, "portable", portable, source / native.SOURCE.name)
+    result = _compare(cc, qemu, wrong, portable, source / "kernels", tmp_path)
+    assert result.returncode == 1
+    assert any(line.startswith("FAIL linear q4") for line in result.stdout.splitlines())
