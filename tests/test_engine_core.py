@@ -48,6 +48,7 @@ class FakeWorker:
     model_name: str = "fake"
     num_swap_blocks: int = 0
     preemption_costs: PreemptionCosts | None = None
+    structured_outputs: None = None
 
 
 class RecordingRunner(FakeRunner):

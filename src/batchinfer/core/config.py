@@ -177,6 +177,9 @@ class EngineConfig:
     max_swap_blocks_per_step: int = field(default=128, metadata=_help(
         "most KV blocks copied out (and, separately, in) in one step: a longer request swaps "
         "its leading blocks and recomputes the rest"))
+    max_cached_grammars: int = field(default=256, metadata=_help(
+        "structured outputs: most compiled grammars kept, one per distinct JSON schema, regex, "
+        "choice list or grammar (least recently used dropped first)"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -232,6 +235,7 @@ class EngineConfig:
             check_int("max_blocks_per_request", self.max_blocks_per_request)
         check_int("swap_space", self.swap_space, low=0)
         check_int("max_swap_blocks_per_step", self.max_swap_blocks_per_step)
+        check_int("max_cached_grammars", self.max_cached_grammars)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

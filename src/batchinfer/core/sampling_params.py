@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from batchinfer.core.structured_output import StructuredOutput
 from batchinfer.core.validation import INT64_MAX, INT64_MIN
 
 # Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by less would make
 # the distribution a point mass anyway, and by far less (1e-300 is 0.0 in float32) it overflows
 # to inf and NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+# OpenAI's range of a `logit_bias` value: -100 bans a token, +100 makes it all but certain.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -21,6 +24,10 @@ class SamplingParams:
     A `temperature` below `MIN_SAMPLING_TEMPERATURE` (1e-5, 0 included) means greedy. `seed`
     (a 64-bit integer) makes sampling of this request reproducible whatever else shares its
     batch. Integers are 64-bit; token ids are checked against the vocabulary by the engine.
+    `logit_bias` maps token ids to a bias in [-100, 100] added to their logits before sampling.
+    `structured_output` constrains the output to a JSON schema, a regex, a choice or a grammar
+    (`StructuredOutput`): the grammar then decides where the output ends, so an end-of-sequence
+    token it allows ends the output even under `ignore_eos` or short of `min_tokens`.
     """
 
     n: int = 1
@@ -40,6 +47,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +92,23 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
+        self._check_logit_bias()
+        if self.structured_output is not None and not isinstance(self.structured_output,
+                                                                 StructuredOutput):
+            raise ValueError("structured_output must be a StructuredOutput, got "
+                             f"{type(self.structured_output).__name__}")
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to biases, got "
+                             f"{type(self.logit_bias).__name__}")
+        self.logit_bias = dict(self.logit_bias)
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id, low=0)
+            _check_float("logit_bias", bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for "
+                                 f"token {token_id}")
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,7 @@ from batchinfer.engine.core import EngineCore, Runner
 from batchinfer.engine.inputs import Prompt
 from batchinfer.engine.output_processor import OutputProcessor, ProcessedOutputs
 from batchinfer.engine.outputs import RequestOutput, RequestOutputKind
-from batchinfer.engine.processor import EngineRequest, Processor
+from batchinfer.engine.processor import EngineRequest, GrammarCompiler, Processor
 
 
 class ModelWorker(Protocol):
@@ -56,6 +56,9 @@ class ModelWorker(Protocol):
     @property
     def preemption_costs(self) -> PreemptionCosts | None: ...
 
+    @property
+    def structured_outputs(self) -> GrammarCompiler | None: ...
+
 
 class LLMEngine:
     """Add requests, step, read outputs. Build with `LLMEngine.from_config(config)`."""
@@ -76,7 +79,8 @@ class LLMEngine:
         self.core = EngineCore(config, worker.runner, worker.num_blocks, worker.max_model_len,
                                clock, worker.num_swap_blocks, worker.preemption_costs)
         self.processor = Processor(worker.tokenizer, worker.vocab_size, worker.max_model_len,
-                                   worker.eos_token_ids, clock, config.special_tokens_in_chat)
+                                   worker.eos_token_ids, clock, config.special_tokens_in_chat,
+                                   worker.structured_outputs)
         self.output_processor = OutputProcessor(worker.tokenizer)
 
     @classmethod

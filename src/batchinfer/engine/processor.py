@@ -1,8 +1,9 @@
 """Input processing: a user's prompt and parameters in, the scheduler's `Request`s out.
 
 Tokenizes (text, token ids or chat messages with the model's template), validates against the
-model (vocabulary, `max_model_len`) and fans a request with `n` sequences out into `n`
-scheduler requests. It reads only immutable model facts, so the server runs it off the event
+model (vocabulary, `max_model_len`), compiles a structured output's grammar (so a schema that
+does not compile is a `ParamError` before anything is queued; the compiled grammar stays in the
+runner's cache) and fans a request with `n` sequences out into `n` scheduler requests. It reads only immutable model facts, so the server runs it off the event
 loop, on any thread; nothing here touches the scheduler.
 """
 
@@ -13,10 +14,11 @@ import itertools
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from batchinfer.core.request import Request, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.structured_output import StructuredOutput
 from batchinfer.core.validation import ParamError
 from batchinfer.engine.inputs import Prompt, tokenize_prompt
 
@@ -37,8 +39,17 @@ class EngineRequest:
     priority_class: str = "interactive"
 
 
+class GrammarCompiler(Protocol):
+    """What the processor needs of the runner's structured outputs (`StructuredOutputs`)."""
+
+    def compile(self, spec: StructuredOutput) -> object:
+        """Compile (or find cached) `spec`'s grammar; `ParamError` if it cannot be."""
+        ...
+
+
 class Processor:
-    """Turns prompts into `EngineRequest`s; `ValueError` names what is wrong."""
+    """Turns prompts into `EngineRequest`s; `ValueError` names what is wrong. `grammars`
+    compiles structured outputs (None: a request that asks for one is refused)."""
 
     def __init__(
         self,
@@ -48,8 +59,10 @@ class Processor:
         eos_token_ids: Collection[int],
         clock: Callable[[], float],
         special_tokens_in_chat: bool = False,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -73,10 +86,7 @@ class Processor:
         """Tokenize, validate and fan out one request (not queued yet)."""
         params = params or SamplingParams()
         scheduling = scheduling or SchedulingOptions()
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ParamError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[0]}",
-                             "stop_token_ids")
+        self._check_against_model(params)
         text, token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -100,6 +110,23 @@ class Processor:
             sequence.apply(scheduling)
         return EngineRequest(request_id, text, token_ids, params, arrival_s, sequences,
                              scheduling.priority_class)
+
+
+    def _check_against_model(self, params: SamplingParams) -> None:
+        """Token ids within the vocabulary; a structured output's grammar compiled."""
+        for name, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", "logit_bias keys", list(params.logit_bias))):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ParamError(f"{what} must be in [0, {self.vocab_size}), got {bad[0]}",
+                                 name)
+        spec = params.structured_output
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise ParamError("structured_output is not supported by this engine",
+                             "structured_output")
+        self.grammars.compile(spec)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -4,8 +4,10 @@ It owns the attention backend (chosen at start-up by `attention_backend`, see `a
 which owns the KV cache. Per step it builds the flat batch, has the backend `build` the step's
 attention once, runs the model with the backend as its attention callable, computes logits only
 for the rows that sample (the last token of each sequence whose chunk ends its known tokens),
-and samples. It keeps no per-request state, so preemption and abort need
-nothing from it; `finished_request_ids` is accepted and ignored.
+and samples. Its only per-request state is the grammar matchers of structured outputs
+(`structured.py`), dropped for `finished_request_ids` and rebuilt from the token history when a
+sequence comes back, so preemption and abort need nothing else from it. The grammar masks are
+filled after the forward is queued: on CUDA the host fills them while the device computes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from batchinfer.runner.native_decode import (
     release_native_forms,
 )
 from batchinfer.runner.sampler import Sampler
+from batchinfer.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class ModelRunner:
     see `attention.py`); `calculate_kv_scales` calibrates an FP8 cache's scales on the first
     step; `num_swap_blocks` sizes the host swap space (`swap_blocks`); `native_decode` runs
     decode steps in one native call where it can and measures faster (`native_decode.py`;
-    the choice cached under `cache_dir`).
+    the choice cached under `cache_dir`); `structured_outputs` compiles grammars and masks the
+    logits of constrained sequences (None: no request may be constrained).
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         native_decode: bool = False,
         cache_dir: Path | None = None,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
+        self.structured_outputs = structured_outputs
         self.spec = spec
         self.block_size = block_size
         self.device = torch.device(device)
@@ -123,13 +129,18 @@ class ModelRunner:
         """Run one step; outputs are aligned with `scheduler_output.sequences`."""
         sequences = scheduler_output.sequences
         sampled_token_ids: list[int | None] = [None] * len(sequences)
+        structured = self.structured_outputs
+        if structured is not None:
+            structured.forget(scheduler_output.finished_request_ids)
         if not sequences:
             return ModelRunnerOutput(sampled_token_ids)
         with torch.inference_mode():
             logits, sampled_seq_indices = self.compute_logits(scheduler_output)
             if not sampled_seq_indices:
                 return ModelRunnerOutput(sampled_token_ids)
-            sampled = self.sampler(logits, [sequences[i] for i in sampled_seq_indices])
+            rows = [sequences[i] for i in sampled_seq_indices]
+            mask = structured.fill(rows) if structured is not None else None
+            sampled = self.sampler(logits, rows, mask)
         for i, token_id in zip(sampled_seq_indices, sampled.token_ids, strict=True):
             sampled_token_ids[i] = token_id
         if sampled.logprobs is None:

@@ -1,10 +1,12 @@
 """Batched token sampling from the float32 logits of the rows that sample this step.
 
-Order of operations (vLLM's): logprobs are taken from the RAW logits (log_softmax before any
-penalty or temperature, as vLLM returns by default); then repetition penalty (HF: over prompt +
-output tokens, divide positive logits, multiply negative ones), frequency / presence penalties
-(OpenAI: over output tokens only), `min_tokens` (EOS and stop tokens masked while the output is
-shorter); greedy rows (temperature below 1e-5, `SamplingParams.greedy`) take the argmax of that;
+Order of operations (vLLM's): the grammar mask of constrained rows first (structured outputs:
+disallowed tokens -inf, `structured.GrammarMask`); logprobs are taken from those logits (log_softmax
+before any bias, penalty or temperature, as vLLM returns by default); then `logit_bias` (added,
+all rows at once), repetition penalty (HF: over prompt + output tokens, divide positive logits,
+multiply negative ones), frequency / presence penalties (OpenAI: over output tokens only; a
+masked token stays masked), `min_tokens` (EOS and stop tokens masked while the output is
+shorter, except in a constrained row where its grammar allows nothing else); greedy rows (temperature below 1e-5, `SamplingParams.greedy`) take the argmax of that;
 random rows then divide by temperature and apply min_p, top_k, top_p, and draw by inverse CDF: one
 uniform number per row, located in the row's cumulative probabilities.
 
@@ -32,6 +34,7 @@ import torch
 
 from batchinfer.core.outputs import ScheduledSequence, TokenLogprobs
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.runner.structured import GrammarMask
 
 _MASK64 = (1 << 64) - 1
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -57,17 +60,26 @@ class Sampler:
         # Re-seeded for every seeded row; one object avoids building a generator per row.
         self._row_generator = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, sequences: list[ScheduledSequence]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        sequences: list[ScheduledSequence],
+        grammar_mask: GrammarMask | None = None,
+    ) -> SamplerOutput:
         """Sample a token for each row of `logits` `[n, vocab]` (float32, modified in place).
 
         Row i belongs to `sequences[i]`; penalties read its `all_token_ids` and
-        `num_prompt_tokens`, `min_tokens` its `sample_index` (= output tokens so far).
+        `num_prompt_tokens`, `min_tokens` its `sample_index` (= output tokens so far);
+        `grammar_mask` holds the allowed tokens of the constrained rows.
         """
+        if grammar_mask is not None:
+            grammar_mask.apply(logits)
         params = [s.sampling_params for s in sequences]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = (
             torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         )
+        apply_logit_bias(logits, params)
         apply_penalties(logits, sequences)
         self._apply_min_tokens(logits, sequences)
         token_ids = logits.argmax(dim=-1)
@@ -95,7 +107,8 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
     def _apply_min_tokens(self, logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
-        """Mask EOS (unless `ignore_eos`) and `stop_token_ids` of rows short of `min_tokens`."""
+        """Mask EOS (unless `ignore_eos`) and `stop_token_ids` of rows short of `min_tokens`;
+        a constrained row whose grammar allows only those tokens keeps them."""
         rows: list[int] = []
         cols: list[int] = []
         vocab_size = logits.shape[1]
@@ -107,9 +120,21 @@ class Sampler:
             stops = [t for t in stops if t < vocab_size]
             rows.extend([i] * len(stops))
             cols.extend(stops)
-        if rows:
-            logits[torch.tensor(rows, device=logits.device),
-                   torch.tensor(cols, device=logits.device)] = float("-inf")
+        if not rows:
+            return
+        index = (torch.tensor(rows, device=logits.device),
+                 torch.tensor(cols, device=logits.device))
+        constrained = sorted({r for r in rows
+                              if sequences[r].sampling_params.structured_output is not None})
+        kept = logits[index] if constrained else None
+        logits[index] = float("-inf")
+        if kept is None:
+            return
+        constrained_rows = torch.tensor(constrained, device=logits.device)
+        dead = constrained_rows[logits[constrained_rows].amax(dim=-1).isneginf()]
+        if len(dead):  # the grammar wants to end here: it wins over min_tokens
+            restore = torch.isin(index[0], dead)
+            logits[index[0][restore], index[1][restore]] = kept[restore]
 
     def _draw(self, probs: torch.Tensor, sequences: list[ScheduledSequence]) -> torch.Tensor:
         """One token per row of `probs` `[n, vocab]` (unnormalized is fine), by inverse CDF."""
@@ -139,6 +164,27 @@ class Sampler:
         # once the ids are on the host (no extra device sync here).
         broken = ~(total[:, 0] > 0.0) | ~torch.isfinite(total[:, 0])
         return drawn.masked_fill_(broken, probs.shape[1])
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's `logit_bias` to its logits, every row in one indexed add, in place.
+    Ids beyond the logits' width (the processor checks them against the vocabulary) are
+    skipped."""
+    if not any(p.logit_bias for p in params):
+        return
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for token_id, bias in p.logit_bias.items():
+            if token_id < vocab_size:
+                rows.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                      torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
@@ -177,9 +223,11 @@ def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) ->
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    masked = sub.isneginf()  # a grammar's ban: no penalty may lift it
     sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
     sub = sub - frequency * counts - presence * (counts > 0)
-    logits[row_index] = sub.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
+    logits[row_index] = sub.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).masked_fill_(masked,
+                                                                             float("-inf"))
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

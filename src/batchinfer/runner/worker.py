@@ -40,6 +40,7 @@ from batchinfer.models.loader import LoadedModel, load_model
 from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
+from batchinfer.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,10 @@ class Worker:
         return self.loaded.name
 
     @property
+    def structured_outputs(self) -> StructuredOutputs | None:
+        return self.runner.structured_outputs
+
+    @property
     def model(self) -> torch.nn.Module:
         return self.loaded.model
 
@@ -197,6 +202,8 @@ def _make_runner(
         num_swap_blocks=num_swap_blocks,
         native_decode=config.native_decode,
         cache_dir=default_cache_dir(),
+        structured_outputs=StructuredOutputs(loaded.tokenizer, loaded.spec.vocab_size,
+                                             loaded.eos_token_ids, config.max_cached_grammars),
     )
 
 

@@ -673,9 +673,11 @@ class Scheduler:
             token_ids = request.prompt_token_ids[start : start + num_new]
         else:  # a recomputed request: prompt tail + the output it had produced
             token_ids = request.all_token_ids[start : start + num_new]
-        # The token history goes down only when a penalty reads it: copying prompt + output
-        # for every sequence every step would make host work quadratic in the output length.
-        history = sample and request.sampling_params.needs_penalties
+        # The token history goes down only when a penalty or a grammar reads it: copying
+        # prompt + output for every sequence every step would make host work quadratic in the
+        # output length. (The runner's grammar matchers replay it after a preemption.)
+        params = request.sampling_params
+        history = sample and (params.needs_penalties or params.structured_output is not None)
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=token_ids,
@@ -692,12 +694,16 @@ class Scheduler:
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+        if token_id in request.eos_token_ids and (
+            # Under a grammar, an end-of-sequence token is allowed only where the grammar is
+            # complete: it ends the output whatever ignore_eos and min_tokens say.
+            params.structured_output is not None
+            or (not params.ignore_eos and num_output >= params.min_tokens)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.min_tokens and token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.token_limit:

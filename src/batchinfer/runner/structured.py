@@ -1,0 +1,217 @@
+"""Structured outputs: grammars compiled once per distinct spec, a matcher per sequence, and
+one token bitmask for the whole batch per step (xgrammar).
+
+- `compile(spec)` turns a `StructuredOutput` into xgrammar's compiled grammar, cached in a
+  bounded LRU (`max_cached_grammars` distinct specs); the engine's processor calls it before a
+  request is queued, off the engine thread where the server runs it, so a schema that does not
+  compile is a `ParamError` (HTTP 400) and never reaches a step. The tokenizer's vocabulary is
+  read once, at the first compile (xgrammar's `TokenizerInfo`, as wide as the model's logits).
+- `fill(sequences)` gives each constrained row of a step its matcher, brings the matcher up to
+  the sequence's output so far, and fills every row of one bitmask in one batched call (its
+  threads are xgrammar's). The sampler applies the `GrammarMask` to the logits before anything
+  else, so reported logprobs are those of the constrained distribution (vLLM's order).
+
+A matcher is a cache of "the grammar's state after this sequence's output tokens": the
+truth is the token history the scheduler sends with every constrained sampling row
+(`ScheduledSequence.all_token_ids`). Each step the matcher accepts the tokens it has not seen
+(normally the one sampled last step); when it is ahead of the history (a step that failed and
+is rerun) or missing (dropped when the sequence left, including a preemption: its id is in
+`finished_request_ids`), it is reset and replays the history. So recompute, swap, prefix
+caching and failure reruns all leave it right, and `n > 1` sequences each have their own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from batchinfer.core.outputs import ScheduledSequence
+from batchinfer.core.structured_output import StructuredOutput
+from batchinfer.core.validation import ParamError
+
+# xgrammar's C++ errors start with a timestamp, a source location and an assertion's text.
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
+# `json_object`: any JSON object.
+_JSON_OBJECT = '{"type": "object"}'
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """The step's allowed tokens: `bitmask` `[num_rows, ceil(vocab / 32)]` int32 (bit j of row
+    i set: token j allowed), aligned with the sampler's logits rows; only `rows` are
+    constrained."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the logits of disallowed tokens of the constrained rows to -inf, in place."""
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=self.rows)
+
+
+@dataclass(slots=True)
+class _SequenceGrammar:
+    matcher: xgr.GrammarMatcher
+    num_accepted: int = 0  # output tokens the matcher has accepted
+
+
+class StructuredOutputs:
+    """Grammar compilation (cached, thread-safe) and the per-sequence matchers of one model.
+
+    `tokenizer` is the model's Hugging Face tokenizer, `vocab_size` the width of its logits,
+    `eos_token_ids` the tokens that end a sequence (a complete grammar allows only them).
+    `compile` may be called from any thread; `fill` and `forget` from the engine thread only.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        max_cached_grammars: int = 256,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.max_cached_grammars = max_cached_grammars
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._grammars: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self._sequences: dict[str, _SequenceGrammar] = {}
+        self._bitmask: torch.Tensor | None = None
+        self._batch = xgr.BatchGrammarMatcher()
+
+    # ----------------------------------------------------------------- compilation
+    def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec`, from the cache or compiled now; `ParamError`
+        (param `structured_output`) when it does not compile or admits no output."""
+        with self._lock:
+            grammar = self._grammars.get(spec)
+            if grammar is not None:
+                self._grammars.move_to_end(spec)
+                return grammar
+        grammar = self._compile_uncached(spec)  # outside the lock: compiles run in parallel
+        with self._lock:
+            self._grammars[spec] = grammar
+            self._grammars.move_to_end(spec)
+            while len(self._grammars) > self.max_cached_grammars:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    @property
+    def num_cached_grammars(self) -> int:
+        return len(self._grammars)
+
+    def _compile_uncached(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        compiler = self._compiler_once()
+        try:
+            if spec.json_schema is not None or spec.json_object:
+                # No whitespace but xgrammar's `, ` and `: ` separators: free whitespace lets
+                # a small model spend its whole budget on spaces and newlines.
+                grammar = compiler.compile_json_schema(
+                    spec.json_schema or _JSON_OBJECT, any_whitespace=False, strict_mode=True)
+            elif spec.regex is not None:
+                grammar = compiler.compile_regex(spec.regex)
+            elif spec.choice is not None:
+                # JSON string literals are EBNF string literals (the same escapes).
+                grammar = compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            else:
+                grammar = compiler.compile_grammar(spec.grammar or "")
+        except (RuntimeError, ValueError, TypeError) as exc:
+            detail = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc) else "")
+            raise ParamError(f"structured_output ({spec.kind}) does not compile: {detail}",
+                             "structured_output") from None
+        if not self._admits_a_token(grammar):
+            raise ParamError(f"structured_output ({spec.kind}) admits no output: no token "
+                             "of this model's vocabulary can start it", "structured_output")
+        return grammar
+
+    def _compiler_once(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self.tokenizer, vocab_size=self.vocab_size,
+                        stop_token_ids=self.eos_token_ids)
+                except Exception as exc:  # a tokenizer xgrammar cannot read
+                    raise ParamError(f"structured_output needs a Hugging Face tokenizer "
+                                     f"xgrammar can read: {exc}", "structured_output") from None
+                # Its own cache is off: `_grammars` is the one bounded cache.
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            return self._compiler
+
+    def _admits_a_token(self, grammar: xgr.CompiledGrammar) -> bool:
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
+
+    # ----------------------------------------------------------------- per step
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the matchers of sequences that left (finished, aborted or preempted)."""
+        for request_id in request_ids:
+            self._sequences.pop(request_id, None)
+
+    def fill(self, sequences: Sequence[ScheduledSequence]) -> GrammarMask | None:
+        """The mask of one step's sampling rows (`sequences[i]` is logits row i); None when no
+        row is constrained. `RuntimeError` names a sequence whose history breaks its grammar."""
+        rows: list[int] = []
+        matchers: list[xgr.GrammarMatcher] = []
+        for row, seq in enumerate(sequences):
+            spec = seq.sampling_params.structured_output
+            if spec is None:
+                continue
+            state = self._sequences.get(seq.request_id)
+            if state is None:
+                state = _SequenceGrammar(xgr.GrammarMatcher(self.compile(spec)))
+                self._sequences[seq.request_id] = state
+            _catch_up(state, seq)
+            rows.append(row)
+            matchers.append(state.matcher)
+        if not rows:
+            return None
+        bitmask = self._bitmask_rows(len(sequences))
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return GrammarMask(bitmask, rows, self.vocab_size)
+
+    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
+        """A view of `num_rows` rows of the bitmask buffer (grown, never shrunk)."""
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        return self._bitmask[:num_rows]
+
+    @property
+    def num_matchers(self) -> int:
+        return len(self._sequences)
+
+
+def _catch_up(state: _SequenceGrammar, seq: ScheduledSequence) -> None:
+    """Bring a matcher to the sequence's `sample_index` output tokens (its history)."""
+    wanted = seq.sample_index
+    if state.num_accepted == wanted:
+        return
+    if state.num_accepted > wanted:  # tokens of a step that did not count: replay
+        state.matcher.reset()
+        state.num_accepted = 0
+    if seq.all_token_ids is None:
+        raise RuntimeError(f"request {seq.request_id}: its grammar needs all_token_ids")
+    start = seq.num_prompt_tokens
+    for token_id in seq.all_token_ids[start + state.num_accepted : start + wanted]:
+        if not state.matcher.accept_token(token_id):
+            raise RuntimeError(f"request {seq.request_id}: token {token_id} of its output "
+                               "breaks its grammar")
+        state.num_accepted += 1
+    if state.matcher.is_terminated():
+        raise RuntimeError(f"request {seq.request_id}: its grammar has ended but the "
+                           "sequence goes on")
