@@ -39,10 +39,10 @@ browser:
 # The Arm kernels' test cross-compiles them and runs them under qemu-user: Debian's packages,
 # installed where apt-get runs as root; elsewhere that test is skipped with the reason.
 arm-tools:
-	@{ command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null 2>&1 || \
+	@{ command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64 && test -f /usr/aarch64-linux-gnu/include/stdio.h; } >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	  { apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libgomp1-arm64-cross qemu-user >/dev/null 2>&1 || \
-	    { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libgomp1-arm64-cross qemu-user >/dev/null 2>&1; }; }; } || \
+	  { apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross libgomp1-arm64-cross qemu-user >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross libgomp1-arm64-cross qemu-user >/dev/null 2>&1; }; }; } || \
 	  echo "the Arm cross-compiler or qemu-user is not installed: the NEON kernels' test will be skipped"
 
 test: lint browser arm-tools

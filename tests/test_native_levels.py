@@ -31,9 +31,9 @@ def _arm_tools() -> tuple[str, str]:
     if platform.machine() in native.ARM64_MACHINES:
         pytest.skip("an Arm machine runs the neon level natively (the test above)")
     cc, qemu = shutil.which(CROSS_CC), shutil.which(QEMU)
-    if cc is None or qemu is None or not SYSROOT.is_dir():
-        pytest.skip(f"no {CROSS_CC} / {QEMU} / {SYSROOT} (Debian: gcc-aarch64-linux-gnu, "
-                    "qemu-user)")
+    if cc is None or qemu is None or not (SYSROOT / "include" / "stdio.h").is_file():
+        pytest.skip(f"no {CROSS_CC} / {QEMU} / {SYSROOT}/include (Debian: gcc-aarch64-linux-gnu, "
+                    "libc6-dev-arm64-cross, qemu-user)")
     return cc, qemu
 
 
