@@ -5,9 +5,17 @@ a scheduler that hands out a wrong or freed block produces different tokens, not
 bookkeeping check. The "model" is a hash of the whole context read from the cache. Swapped
 blocks are copied to a simulated host pool and back, so a swap-in from the wrong host block, or
 into the wrong device block, changes tokens too.
+
+Speculative decoding: a sequence's proposed tokens (the scheduler's, or for the draft method
+the fake draft's: the right next token, except where `draft_misses` says otherwise) are written
+into their slots like the chunk's, and verified greedily: accepted while each is the token the
+context before it gives. Rejected tokens stay in their slots, so a scheduler that counted one
+as computed reads it back and produces different tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from batchinfer.core import ModelRunnerOutput, SchedulerOutput
 
@@ -22,8 +30,11 @@ def next_token(context: list[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, block_size: int) -> None:
+    """`model`: the next token of a context (default: `next_token`, a hash of it)."""
+
+    def __init__(self, block_size: int, model: Callable[[list[int]], int] = next_token) -> None:
         self.block_size = block_size
+        self.model = model
         self.slots: dict[int, int] = {}
         self.host: dict[int, list[int | None]] = {}  # host block -> its slots' tokens
         self.num_steps = 0
@@ -47,25 +58,60 @@ class FakeRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
         sampled: list[int | None] = []
+        accepted: list[list[int]] = []
         for seq in scheduler_output.sequences:
             start = seq.num_computed_tokens
-            for i, token in enumerate(seq.token_ids):
-                self.slots[self._slot(seq.block_table, start + i)] = token
+            self._write(seq.block_table, start, seq.token_ids)
+            accepted.append([])
             if not seq.sample:
                 sampled.append(None)
                 continue
             end = start + len(seq.token_ids)
             context = [self.slots[self._slot(seq.block_table, p)] for p in range(end)]
-            sampled.append(next_token(context))
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+            drafts = seq.spec_token_ids
+            if drafts is None:
+                drafts = self._draft(context, seq.num_spec_tokens)
+            if len(drafts) != seq.num_spec_tokens:
+                raise RuntimeError(f"{seq.request_id}: {len(drafts)} proposals, "
+                                   f"{seq.num_spec_tokens} scheduled")
+            self._write(seq.block_table, end, drafts)
+            for draft in drafts:
+                token = self.model(context)
+                if token != draft:
+                    break
+                accepted[-1].append(draft)
+                context.append(self.slots[self._slot(seq.block_table, len(context))])
+            sampled.append(self.model(context))
+        return ModelRunnerOutput(sampled_token_ids=sampled, accepted_token_ids=accepted)
+
+    def _write(self, table: list[int], start: int, tokens: list[int]) -> None:
+        for i, token in enumerate(tokens):
+            self.slots[self._slot(table, start + i)] = token
+
+    def _draft(self, context: list[int], k: int) -> list[int]:
+        """The fake draft model: the true continuation, with a miss where `draft_misses`."""
+        context, drafts = list(context), []
+        for _ in range(k):
+            token = self.model(context)
+            if draft_misses(context):
+                token = (token + 1) % VOCAB
+            drafts.append(token)
+            context.append(token)
+        return drafts
 
 
-def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+def draft_misses(context: list[int]) -> bool:
+    """Where the fake draft proposes a wrong token: about one position in four."""
+    return (len(context) * 7 + context[-1]) % 4 == 0
+
+
+def reference_tokens(prompt: list[int], max_tokens: int,
+                     model: Callable[[list[int]], int] = next_token) -> list[int]:
     """What an exact engine must produce for `prompt`, computed without any cache."""
     context = list(prompt)
     out = []
     for _ in range(max_tokens):
-        token = next_token(context)
+        token = model(context)
         out.append(token)
         context.append(token)
     return out

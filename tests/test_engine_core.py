@@ -16,6 +16,7 @@ import pytest
 
 from batchinfer.core import EngineConfig, SamplingParams, SchedulerOutput
 from batchinfer.core.preemption import PreemptionCosts
+from batchinfer.core.scheduling.spec_depth import StepCosts
 from batchinfer.engine.async_llm import AsyncLLM, RequestFailedError
 from batchinfer.engine.core import EngineStepError
 from batchinfer.engine.llm_engine import LLMEngine
@@ -49,6 +50,7 @@ class FakeWorker:
     num_swap_blocks: int = 0
     preemption_costs: PreemptionCosts | None = None
     structured_outputs: None = None
+    step_costs: StepCosts | None = None
 
 
 class RecordingRunner(FakeRunner):

@@ -199,6 +199,24 @@ class BlockManager:
                 if self._block_key[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks beyond the ones `num_tokens` tokens fill (speculative
+        decoding: the blocks only rejected proposals reached). Such a block holds no computed
+        token, so it is neither cached nor shared: it goes to the front of the free pool."""
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(self._request_keys.get(request_id, ())):
+            raise RuntimeError(f"request {request_id!r}: trimming would drop a cached block")
+        while len(table) > keep:
+            block_id = table.pop()
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] != 0:
+                raise RuntimeError(f"block {block_id} trimmed while shared")
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody holds; returns how many."""
         dropped = [b for b in self._free if self._block_key[b] is not None]

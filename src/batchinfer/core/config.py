@@ -24,6 +24,8 @@ SCHEDULING_POLICIES = tuple(POLICIES)  # fcfs, priority: one class each in core.
 QUANTIZATIONS = ("auto", "none", "int8", "q8", "q4")
 ENCODER_QUANTIZATIONS = ("none", "int8", "q8")  # an encoder's weights
 PREFILL_ACTIVATIONS = ("int16", "int8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SELF_Q4 = "self-q4"  # speculative_model: this checkpoint's 4-bit form drafts
 LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "int8_native", "q4",
                   "q4_dense", "q4_native", "q8_native", "q8_dense")
 GiB = 1 << 30
@@ -180,6 +182,26 @@ class EngineConfig:
     max_cached_grammars: int = field(default=256, metadata=_help(
         "structured outputs: most compiled grammars kept, one per distinct JSON schema, regex, "
         "choice list or grammar (least recently used dropped first)"))
+    speculative_method: str = field(default="none", metadata=_help(
+        "speculative decoding: none, ngram (prompt lookup: what followed the latest earlier "
+        "match of the last tokens, in the prompt and output) or draft (a draft model, "
+        "speculative_model); proposed tokens are verified in the batch, so outputs are those "
+        "of the model alone (docs/speculative.md)"))
+    speculative_model: str | None = field(default=None, metadata=_help(
+        "speculative_method draft: self-q4 (this checkpoint with 4-bit weights proposes, the "
+        "served weights verify) or the path of a smaller model with the same vocabulary"))
+    num_speculative_tokens: int = field(default=4, metadata=_help(
+        "speculative decoding: the most tokens a sequence proposes in one step (the ceiling "
+        "of speculative_depth auto)"))
+    speculative_depth: str | int = field(default="auto", metadata=_help(
+        "tokens each sequence proposes per step: auto (chosen every step, 0 to "
+        "num_speculative_tokens per sequence, from the step costs measured at start-up and "
+        "each request's acceptance rate: 0 where the batch is compute-bound) or a fixed N"))
+    prompt_lookup_min: int = field(default=2, metadata=_help(
+        "speculative_method ngram: the shortest suffix of the tokens so far that is looked up"))
+    prompt_lookup_max: int = field(default=5, metadata=_help(
+        "speculative_method ngram: the longest suffix looked up (the longest that matches "
+        "proposes)"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -236,6 +258,42 @@ class EngineConfig:
         check_int("swap_space", self.swap_space, low=0)
         check_int("max_swap_blocks_per_step", self.max_swap_blocks_per_step)
         check_int("max_cached_grammars", self.max_cached_grammars)
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        if self.speculative_method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative_method draft needs speculative_model: self-q4 or the "
+                             "path of a draft model")
+        if self.speculative_model is not None and self.speculative_method != "draft":
+            raise ValueError("speculative_model needs speculative_method draft, got "
+                             f"{self.speculative_method!r}")
+        if self.speculative_model is not None and (
+                not isinstance(self.speculative_model, str) or not self.speculative_model):
+            raise ValueError(f"speculative_model must be self-q4 or a path, got "
+                             f"{self.speculative_model!r}")
+        check_int("num_speculative_tokens", self.num_speculative_tokens)
+        depth = self.speculative_depth
+        if isinstance(depth, str) and depth.strip().isdigit():
+            depth = int(depth)
+            object.__setattr__(self, "speculative_depth", depth)  # "3" from the CLI
+        if depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int)
+                                or depth < 1):
+            raise ValueError(f"speculative_depth must be auto or an integer >= 1, got {depth!r}")
+        check_int("prompt_lookup_min", self.prompt_lookup_min)
+        check_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The most tokens a sequence proposes in a step: the fixed depth, else auto's
+        ceiling; 0 when speculative decoding is off."""
+        if self.speculative_method == "none":
+            return 0
+        depth = self.speculative_depth
+        return depth if isinstance(depth, int) else self.num_speculative_tokens
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

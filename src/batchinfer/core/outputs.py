@@ -43,6 +43,11 @@ class ScheduledSequence:
     # the runner derives this step's random stream from (seed, sample_index), so a preempted and
     # recomputed request, or one batched with others, draws the same numbers.
     sample_index: int = 0
+    # Speculative decoding: tokens proposed after this chunk, verified in the same step (their
+    # blocks are in `block_table`). `spec_token_ids` holds them when the scheduler proposed them
+    # (ngram); None with `num_spec_tokens` > 0: the runner's draft model proposes them.
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +73,8 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
+        """Tokens the step computes: chunks and decodes, and proposed tokens."""
+        return sum(len(s.token_ids) + s.num_spec_tokens for s in self.sequences)
 
     @property
     def is_empty(self) -> bool:
@@ -96,11 +102,16 @@ class ModelRunnerOutput:
     """What one step produced, aligned with `SchedulerOutput.sequences`.
 
     `sampled_token_ids[i]` is the new token of sequence i, or None when that sequence only
-    computed a prefill chunk that does not end the prompt.
+    computed a prefill chunk that does not end the prompt. With speculative decoding,
+    `accepted_token_ids[i]` are the proposed tokens of sequence i the step accepted (their KV is
+    computed), which come before `sampled_token_ids[i]` in its output, with their logprobs in
+    `accepted_logprobs[i]` (where logprobs were asked for); None: no sequence verified any.
     """
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None] | None = None
+    accepted_token_ids: list[list[int]] | None = None
+    accepted_logprobs: list[list[TokenLogprobs]] | None = None
 
 
 @dataclass(slots=True)
@@ -134,6 +145,21 @@ class EngineCoreOutput:
 
 
 @dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding, cumulative counts (vLLM's): verifications (`num_drafts`: a
+    sequence's proposed tokens scored in one step), tokens proposed and accepted, accepted by
+    position in the proposal; and the depth the last step chose: proposed tokens per sequence
+    that could propose (`depth`), and the most any sequence proposed (`max_depth`)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    depth: float = 0.0
+    max_depth: int = 0
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """The scheduler's state after one step, for metrics and logs."""
 
@@ -160,3 +186,5 @@ class SchedulerStats:
     swapped_in_blocks: int = 0
     swap_time_s: float = 0.0
     recomputed_tokens: int = 0
+    # Speculative decoding (None: off).
+    spec_decode: SpecDecodeStats | None = None

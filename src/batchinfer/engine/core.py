@@ -31,6 +31,7 @@ from batchinfer.core.outputs import (
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.request import Request, RequestStatus
 from batchinfer.core.scheduling.scheduler import Scheduler
+from batchinfer.core.scheduling.spec_depth import StepCosts
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,13 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         num_swap_blocks: int = 0,
         preemption_costs: PreemptionCosts | None = None,
+        step_costs: StepCosts | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.clock = clock
         self.scheduler = Scheduler(config, num_blocks, max_model_len, clock, num_swap_blocks,
-                                   preemption_costs)
+                                   preemption_costs, step_costs)
         self.last_scheduler_output: SchedulerOutput | None = None
         self.swap_time_s = 0.0  # spent copying blocks to and from the swap space
 
@@ -169,6 +171,8 @@ class EngineCore:
             )
         sampled: list[int | None] = []
         logprobs: list[TokenLogprobs | None] = []
+        accepted: list[list[int]] = []
+        accepted_logprobs: list[list[TokenLogprobs]] = []
         failed: dict[str, str] = {}
         left_ids = scheduler_output.finished_request_ids
         for seq in scheduler_output.sequences:
@@ -181,13 +185,17 @@ class EngineCore:
                 failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
                 sampled.append(None)
                 logprobs.append(None)
+                accepted.append([])
+                accepted_logprobs.append([])
                 continue
             sampled.append(out.sampled_token_ids[0])
             logprobs.append(out.logprobs[0] if out.logprobs else None)
+            accepted.append(out.accepted_token_ids[0] if out.accepted_token_ids else [])
+            accepted_logprobs.append(out.accepted_logprobs[0] if out.accepted_logprobs else [])
         if len(failed) == len(scheduler_output.sequences) > 1:
             raise EngineStepError(
                 f"all {len(failed)} sequences of a step failed, each alone too: {failed}"
             )
         if failed:
             logger.error("failed alone too, finished with an error: %s", failed)
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs), failed
+        return ModelRunnerOutput(sampled, logprobs, accepted, accepted_logprobs), failed

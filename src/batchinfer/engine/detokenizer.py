@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
         self.include_stop_str = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self.stop_string: str | None = None
+        self.num_read = 0  # tokens of the last `add_tokens` read (all, unless a stop string)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._settled: list[str] = []
         self._num_taken = 0  # settled pieces already handed out by `take_delta`
@@ -53,8 +54,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one now appears (text is cut there)."""
+        """Append tokens; returns the stop string if one now appears (text is cut there, and
+        `num_read` says how many of `new_token_ids` were read, the one completing it last)."""
+        self.num_read = 0
         for token_id in new_token_ids:
+            self.num_read += 1
             self.token_ids.append(token_id)
             if self.prefix_offset > 4 * _CONTEXT_TOKENS:
                 self._trim()

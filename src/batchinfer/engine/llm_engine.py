@@ -19,6 +19,7 @@ from batchinfer.core.outputs import EngineCoreOutput
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.request import RequestStatus, SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.scheduling.spec_depth import StepCosts
 from batchinfer.engine.core import EngineCore, Runner
 from batchinfer.engine.inputs import Prompt
 from batchinfer.engine.output_processor import OutputProcessor, ProcessedOutputs
@@ -57,6 +58,9 @@ class ModelWorker(Protocol):
     def preemption_costs(self) -> PreemptionCosts | None: ...
 
     @property
+    def step_costs(self) -> StepCosts | None: ...
+
+    @property
     def structured_outputs(self) -> GrammarCompiler | None: ...
 
 
@@ -77,7 +81,8 @@ class LLMEngine:
         self.max_model_len = worker.max_model_len
         self.model_name = worker.model_name
         self.core = EngineCore(config, worker.runner, worker.num_blocks, worker.max_model_len,
-                               clock, worker.num_swap_blocks, worker.preemption_costs)
+                               clock, worker.num_swap_blocks, worker.preemption_costs,
+                               worker.step_costs)
         self.processor = Processor(worker.tokenizer, worker.vocab_size, worker.max_model_len,
                                    worker.eos_token_ids, clock, config.special_tokens_in_chat,
                                    worker.structured_outputs)

@@ -152,6 +152,7 @@ class OutputProcessor:
             state, seq = located
             if seq.finish_reason is not None:
                 continue
+            num_before = seq.num_tokens
             stop_string = self._apply(seq, core_output)
             if stop_string is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
@@ -166,7 +167,7 @@ class OutputProcessor:
                 result.failed[state.request_id] = (core_output.error, core_output.error_code)
             _record(state.metrics, core_output)
             _, num_new = touched.get(state.request_id, (state, 0))
-            touched[state.request_id] = (state, num_new + len(core_output.new_token_ids))
+            touched[state.request_id] = (state, num_new + seq.num_tokens - num_before)
         for state, num_new in touched.values():
             if state.error is not None:
                 result.to_abort.extend(self._abort_unfinished(state))
@@ -197,14 +198,19 @@ class OutputProcessor:
 
     def _apply(self, seq: _Sequence, core_output: EngineCoreOutput) -> str | None:
         new_ids = core_output.new_token_ids
+        stop_string = seq.detokenizer.add_tokens(new_ids)
+        if stop_string is not None:
+            # Several tokens in one step (speculative decoding): the output ends with the
+            # token that completed the stop string, as it would one token a step.
+            new_ids = new_ids[: seq.detokenizer.num_read]
         seq.num_tokens += len(new_ids)
         seq.token_ids.extend(new_ids)
         if seq.logprobs is not None:
-            for entry in core_output.new_logprobs:
+            for entry in core_output.new_logprobs[: len(new_ids)]:
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + entry.logprob
         seq.changed = True
-        return seq.detokenizer.add_tokens(new_ids)
+        return stop_string
 
     def _emit(self, state: _RequestState, num_new_tokens: int, result: ProcessedOutputs) -> None:
         finished = state.finished

@@ -94,7 +94,8 @@ class Model(ctypes.Structure):
                 ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(Layer)), ("lm_head", Linear),
                 ("kv_cache", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
-                ("kv_scales", ctypes.c_void_p), ("act8", ctypes.c_int32)]
+                ("kv_scales", ctypes.c_void_p), ("act8", ctypes.c_int32),
+                ("kv_first", ctypes.c_int32)]
 
 
 # The KV cache element types `bi_decode` reads and writes (`bi_model.kv_type`).

@@ -680,9 +680,25 @@ static bi_input norm_rows(const bi_model *m, const float *x, const float *w, int
     return in;
 }
 
+/* Store KV head `i` of one row's new token (`row`: its q, k, v; `c`, `sn`: its RoPE row) at
+ * cache slot `slot`; `scratch`: `head_dim` floats. */
+static void store_new_kv(const bi_model *m, char *cache, const float *row, int i, int64_t slot,
+                         const float *c, const float *sn, float k_scale, float v_scale,
+                         float *scratch) {
+    const int d = m->head_dim, kv = m->num_kv_heads, bs = m->block_size;
+    const int64_t block = slot / bs, offset = slot % bs, eb = kv_element_bytes(m->kv_type);
+    char *kdst = cache + (((block * 2 + 0) * kv + i) * bs + offset) * d * eb;
+    char *vdst = cache + (((block * 2 + 1) * kv + i) * bs + offset) * d * eb;
+    memcpy(scratch, row + (m->num_heads + i) * d, sizeof(float) * d);
+    rope(scratch, c, sn, d / 2);
+    kv_store(scratch, d, m->kv_type, k_scale, kdst);
+    kv_store(row + (m->num_heads + kv + i) * d, d, m->kv_type, v_scale, vdst);
+}
+
 /* One decode step: `rows` sequences, one new token each (`tokens`, `positions`), their K/V
  * written at `slots`; sequence r's context is `context_lens[r]` tokens whose blocks are
- * `block_ids[block_starts[r] ..]`. Writes `logits` `[rows][vocab]`. `work`: at least
+ * `block_ids[block_starts[r] ..]`. Writes `logits` `[rows][vocab]`. With `m->kv_first`, rows
+ * may be positions of one sequence (each attending to the ones before it). `work`: at least
  * `bi_work_floats(m, rows, threads)` floats.
  *
  * One parallel region, five barriers a layer: each thread normalizes the whole residual
@@ -727,6 +743,15 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                                     eight_bit(m, &L->qkv, rows));
             linear_share(&L->qkv, &in, rows, qkv, qkv_n, 0);
 #pragma omp barrier
+            if (m->kv_first) {  /* a row may read the slots of rows before it */
+#pragma omp for schedule(static)
+                for (int task = 0; task < rows * kv; task++) {
+                    const int r = task / kv;
+                    store_new_kv(m, cache, qkv + r * qkv_n, task % kv, slots[r],
+                                 m->rope_cos + positions[r] * half,
+                                 m->rope_sin + positions[r] * half, k_scale, v_scale, widened);
+                }
+            }
 #pragma omp for schedule(dynamic, 1)
             for (int task = 0; task < rows * kv * max_parts; task++) {
                 const int r = task / (kv * max_parts), i = task / max_parts % kv;
@@ -740,16 +765,8 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                 const float *sn = m->rope_sin + positions[r] * half;
                 memcpy(q_rot, row + i * per_kv * d, sizeof(float) * per_kv * d);
                 for (int j = 0; j < per_kv; j++) rope(q_rot + j * d, c, sn, half);
-                if (part == num_parts - 1) {  /* the part that reads the new token's slot */
-                    const int64_t block = slots[r] / bs, offset = slots[r] % bs;
-                    const int64_t eb = kv_element_bytes(m->kv_type);
-                    char *kdst = cache + (((block * 2 + 0) * kv + i) * bs + offset) * d * eb;
-                    char *vdst = cache + (((block * 2 + 1) * kv + i) * bs + offset) * d * eb;
-                    memcpy(widened, row + (heads + i) * d, sizeof(float) * d);
-                    rope(widened, c, sn, half);
-                    kv_store(widened, d, m->kv_type, k_scale, kdst);
-                    kv_store(row + (heads + kv + i) * d, d, m->kv_type, v_scale, vdst);
-                }
+                if (!m->kv_first && part == num_parts - 1)  /* it reads the new slot */
+                    store_new_kv(m, cache, row, i, slots[r], c, sn, k_scale, v_scale, widened);
                 float *first = s.parts + (int64_t)(r * kv + i) * max_parts * part_stride;
                 float *out = first + part * part_stride;
                 float mx[per_kv], total[per_kv], acc[per_kv * d];

@@ -48,6 +48,15 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class StepOverride(Protocol):
+    """Takes over a runner's steps (speculative decoding: `runner/speculative/`)."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
+                    ) -> None: ...
+
+
 class ModelRunner:
     """Runs scheduled steps of `model` over a paged KV cache of `num_blocks` blocks.
 
@@ -108,6 +117,8 @@ class ModelRunner:
                 logger.info("native decode steps not used: %s", why)
             else:
                 logger.info("native decode steps: %s", self.native_decode.describe())
+        # Speculative decoding runs the steps when on (set by the worker).
+        self.speculative: StepOverride | None = None
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -122,16 +133,25 @@ class ModelRunner:
         with torch.inference_mode():
             self.attention.swap_out(swap_out)
             self.attention.swap_in(swap_in)
+        if self.speculative is not None:  # the draft model's cache
+            self.speculative.swap_blocks(swap_out, swap_in)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; outputs are aligned with `scheduler_output.sequences`."""
-        sequences = scheduler_output.sequences
-        sampled_token_ids: list[int | None] = [None] * len(sequences)
         structured = self.structured_outputs
         if structured is not None:
             structured.forget(scheduler_output.finished_request_ids)
+        if self.speculative is not None:
+            return self.speculative.execute(scheduler_output)
+        return self.sample_step(scheduler_output)
+
+    def sample_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """A step without proposed tokens: one token for each sequence that samples."""
+        sequences = scheduler_output.sequences
+        sampled_token_ids: list[int | None] = [None] * len(sequences)
+        structured = self.structured_outputs
         if not sequences:
             return ModelRunnerOutput(sampled_token_ids)
         with torch.inference_mode():
@@ -150,15 +170,19 @@ class ModelRunner:
             logprobs[i] = entry
         return ModelRunnerOutput(sampled_token_ids, logprobs)
 
-    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def compute_logits(self, scheduler_output: SchedulerOutput, shared_rows: bool = False
+                       ) -> tuple[torch.Tensor, list[int]]:
         """Forward one step (writing its K/V into the cache) and return the sampling rows' logits.
 
         Returns float32 logits `[num_sampled, vocab]` and, for each row, the index of its
         sequence in `scheduler_output.sequences`. Call under `torch.inference_mode()`.
+        `shared_rows`: several sequences of the step may be positions of one sequence
+        (speculative decoding's one-token rows; every backend writes a step's K/V before it
+        attends, so each sees the ones before it).
         """
         inputs = prepare_inputs(scheduler_output.sequences, self.block_size, self.device)
         if self.native_decode is not None and self.native_decode.accepts(inputs):
-            logits = self.native_decode.logits(inputs)
+            logits = self.native_decode.logits(inputs, shared_rows)
             return logits[inputs.logits_indices], inputs.sampled_seq_indices
         return self._torch_logits(inputs), inputs.sampled_seq_indices
 

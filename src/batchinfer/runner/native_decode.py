@@ -192,9 +192,11 @@ class NativeDecoder:
         return (metadata.num_decodes == metadata.num_seqs
                 and self.buckets[bucket_of(metadata.num_seqs)])
 
-    def logits(self, inputs: StepInputs) -> torch.Tensor:
+    def logits(self, inputs: StepInputs, shared_rows: bool = False) -> torch.Tensor:
         """Float32 logits `[rows, vocab]` of a step `accepts` took, one row per sequence, its
-        K/V written into the cache. The tensor is reused by the next step."""
+        K/V written into the cache. The tensor is reused by the next step. `shared_rows`: rows
+        may be positions of one sequence (speculative decoding's verification), so every
+        row's K/V is written before any row attends."""
         metadata = inputs.attention
         rows = metadata.num_seqs
         entry = self._structs[bucket_of(rows)]
@@ -203,6 +205,7 @@ class NativeDecoder:
         cache = self.backend.kv_cache  # read each step: the backend may reallocate it
         struct.kv_cache, struct.num_blocks = cache.data_ptr(), cache.shape[1]
         struct.block_size = self.backend.block_size
+        struct.kv_first = int(shared_rows)
         if self.backend.quantized:  # FP8: the layers' scales, as the torch path has them now
             self._kv_scales = torch.tensor(self.backend.kv_scales, dtype=torch.float32)
             struct.kv_scales = self._kv_scales.data_ptr()

@@ -72,6 +72,19 @@ class Sampler:
         `num_prompt_tokens`, `min_tokens` its `sample_index` (= output tokens so far);
         `grammar_mask` holds the allowed tokens of the constrained rows.
         """
+        raw_logprobs = self.process(logits, sequences, grammar_mask)
+        token_ids, token_list, _ = self.pick(logits, sequences)
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_ids, sequences))
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        sequences: list[ScheduledSequence],
+        grammar_mask: GrammarMask | None = None,
+    ) -> torch.Tensor | None:
+        """Everything before the draw, in place: the grammar mask, then (after the reported
+        logprobs are taken: returned, one row per row that asks for logprobs, else None)
+        logit bias, penalties and min_tokens."""
         if grammar_mask is not None:
             grammar_mask.apply(logits)
         params = [s.sampling_params for s in sequences]
@@ -82,29 +95,66 @@ class Sampler:
         apply_logit_bias(logits, params)
         apply_penalties(logits, sequences)
         self._apply_min_tokens(logits, sequences)
+        return raw_logprobs
+
+    def pick(self, logits: torch.Tensor, sequences: list[ScheduledSequence],
+             stream: int = 0, keep_probs: bool = False
+             ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """One token per row of processed `logits`, as a tensor and a list: the argmax of
+        greedy rows, a draw from the filtered distribution of random ones (`stream` selects an
+        independent random stream of seeded rows); with `keep_probs`, that distribution too
+        (`[num_random_rows, vocab]`, in row order; None without random rows). `RuntimeError`
+        names the requests whose row has no finite mass."""
+        params = [s.sampling_params for s in sequences]
         token_ids = logits.argmax(dim=-1)
         vocab_size = logits.shape[1]
         # argmax picks a NaN where a row holds one: such a row is marked `vocab` like a random
         # row that cannot be drawn from.
         token_ids.masked_fill_(logits.gather(1, token_ids[:, None])[:, 0].isnan(), vocab_size)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        kept = None
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
-            token_ids[rows] = self._draw(probs, [sequences[i] for i in random_rows])
-        token_list = token_ids.tolist()
-        broken = [sequences[i].request_id for i, t in enumerate(token_list) if t >= vocab_size]
-        if broken:
-            raise RuntimeError(f"non-finite logits: no token can be drawn for requests {broken}")
+            probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
+            kept = probs.clone() if keep_probs else None
+            token_ids[rows] = self.draw(probs, [sequences[i] for i in random_rows], stream)
+        return token_ids, check_drawn(token_ids, vocab_size, sequences), kept
+
+    def logprobs(self, raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
+                 sequences: list[ScheduledSequence]) -> list[TokenLogprobs | None] | None:
+        """The reported logprobs of `token_ids` (one per row), for the rows that asked
+        (`raw_logprobs` from `process`); None when none did."""
         if raw_logprobs is None:
-            return SamplerOutput(token_list, None)
+            return None
+        params = [s.sampling_params for s in sequences]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list[TokenLogprobs | None] = [None] * len(sequences)
         requested = [params[i].logprobs or 0 for i in logprob_rows]
-        chosen = token_ids[torch.tensor(logprob_rows, device=logits.device)]
+        chosen = token_ids[torch.tensor(logprob_rows, device=token_ids.device)]
         for i, entry in zip(logprob_rows, _gather_logprobs(raw_logprobs, chosen, requested),
                             strict=True):
             logprobs[i] = entry
-        return SamplerOutput(token_list, logprobs)
+        return logprobs
+
+    def uniforms(self, sequences: list[ScheduledSequence], device: torch.device,
+                 stream: int = 0) -> torch.Tensor:
+        """One uniform number in [0, 1) per row `[n, 1]`: a seeded row's from `(seed,
+        sample_index, stream)`, the others' from the sampler's generator."""
+        n = len(sequences)
+        uniforms = torch.empty(n, 1, device=device)
+        unseeded = [r for r, s in enumerate(sequences) if s.sampling_params.seed is None]
+        if len(unseeded) == n:
+            uniforms.uniform_(generator=self.generator)
+        elif unseeded:
+            uniforms[torch.tensor(unseeded, device=device)] = torch.empty(
+                len(unseeded), 1, device=device
+            ).uniform_(generator=self.generator)
+        for r, seq in enumerate(sequences):
+            seed = seq.sampling_params.seed
+            if seed is not None:
+                self._row_generator.manual_seed(row_seed(seed, seq.sample_index, stream))
+                uniforms[r].uniform_(generator=self._row_generator)
+        return uniforms
 
     def _apply_min_tokens(self, logits: torch.Tensor, sequences: list[ScheduledSequence]) -> None:
         """Mask EOS (unless `ignore_eos`) and `stop_token_ids` of rows short of `min_tokens`;
@@ -136,22 +186,11 @@ class Sampler:
             restore = torch.isin(index[0], dead)
             logits[index[0][restore], index[1][restore]] = kept[restore]
 
-    def _draw(self, probs: torch.Tensor, sequences: list[ScheduledSequence]) -> torch.Tensor:
-        """One token per row of `probs` `[n, vocab]` (unnormalized is fine), by inverse CDF."""
-        n = probs.shape[0]
-        uniforms = torch.empty(n, 1, device=probs.device)
-        unseeded = [r for r, s in enumerate(sequences) if s.sampling_params.seed is None]
-        if len(unseeded) == n:
-            uniforms.uniform_(generator=self.generator)
-        elif unseeded:
-            uniforms[torch.tensor(unseeded, device=probs.device)] = torch.empty(
-                len(unseeded), 1, device=probs.device
-            ).uniform_(generator=self.generator)
-        for r, seq in enumerate(sequences):
-            seed = seq.sampling_params.seed
-            if seed is not None:
-                self._row_generator.manual_seed(row_seed(seed, seq.sample_index))
-                uniforms[r].uniform_(generator=self._row_generator)
+    def draw(self, probs: torch.Tensor, sequences: list[ScheduledSequence],
+             stream: int = 0) -> torch.Tensor:
+        """One token per row of `probs` `[n, vocab]` (unnormalized is fine), by inverse CDF
+        (`probs` is overwritten); `stream` as in `pick`."""
+        uniforms = self.uniforms(sequences, probs.device, stream)
         cdf = probs.cumsum_(dim=-1)  # in place: `probs` is this call's own tensor
         total = cdf[:, -1:]
         # Targets strictly below the total (u x total can round up to it): the first entry whose
@@ -230,7 +269,18 @@ def apply_penalties(logits: torch.Tensor, sequences: list[ScheduledSequence]) ->
                                                                              float("-inf"))
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def check_drawn(token_ids: torch.Tensor, vocab_size: int,
+                sequences: list[ScheduledSequence]) -> list[int]:
+    """The tokens as a list; `RuntimeError` naming the requests whose row drew `vocab_size`
+    (no finite mass)."""
+    token_list = token_ids.tolist()
+    broken = [sequences[i].request_id for i, t in enumerate(token_list) if t >= vocab_size]
+    if broken:
+        raise RuntimeError(f"non-finite logits: no token can be drawn for requests {broken}")
+    return token_list
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, min_p, top_k and top_p; `logits` is a private copy."""
     device = logits.device
     vocab_size = logits.shape[1]
@@ -299,9 +349,10 @@ def _gather_logprobs(
     return entries
 
 
-def row_seed(seed: int, sample_index: int) -> int:
-    """Seed of one seeded draw: splitmix64 of (seed, sample_index), a well-mixed 64-bit int."""
-    z = (seed * 0x9E3779B97F4A7C15 + sample_index + 1) & _MASK64
+def row_seed(seed: int, sample_index: int, stream: int = 0) -> int:
+    """Seed of one seeded draw: splitmix64 of (seed, sample_index, stream), a well-mixed 64-bit
+    int (stream 0 is the token draw; speculative decoding draws its other numbers from others)."""
+    z = (seed * 0x9E3779B97F4A7C15 + sample_index + 1 + (stream << 48)) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)

@@ -15,7 +15,6 @@ as memory goes).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
 from batchinfer.core.paths import default_cache_dir
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.scheduling.spec_depth import StepCosts
 from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.linear_kernels import (
     KERNELS_BY_QUANTIZATION,
@@ -38,9 +38,15 @@ from batchinfer.models.linear_kernels import (
 )
 from batchinfer.models.loader import LoadedModel, load_model
 from batchinfer.models.spec import ModelSpec
-from batchinfer.runner.kv_cache import bytes_per_block, num_kv_blocks, resolve_kv_dtype
+from batchinfer.runner.kv_cache import bytes_per_block, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
+from batchinfer.runner.speculative.setup import (
+    enable_speculation,
+    load_draft,
+    runner_identity,
+)
 from batchinfer.runner.structured import StructuredOutputs
+from batchinfer.runner.timing import timed_runs
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ class Worker:
     cpu_isa: str | None = None
     # The weight form that runs (`quantization`, with `auto` resolved).
     quantization: str = "none"
+    # Step costs measured for speculative_depth auto (None: not measured).
+    step_costs: StepCosts | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Worker:
@@ -111,11 +119,16 @@ class Worker:
             logger.info("prefill activations int8: %d native linears (products of 8+ rows; "
                         "0: no AVX-512 VNNI or no native kernel chosen)", int8_linears)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+        draft, draft_kernels = (load_draft(config, loaded, quantization, device, dtype)
+                                if config.speculative_method == "draft" else (None, None))
         activation_bytes = None
         if device.type == "cuda":
             activation_bytes = profile_step_bytes(config, loaded, device, kv_dtype)
         budget = kv_cache_budget(config, device, activation_bytes or 0)
-        num_blocks = num_kv_blocks(loaded.spec, config.block_size, kv_dtype, budget)
+        block_bytes = bytes_per_block(loaded.spec, config.block_size, kv_dtype)
+        # A draft model keeps its own cache of as many blocks (the same block tables).
+        draft_bytes = bytes_per_block(draft.spec, config.block_size, kv_dtype) if draft else 0
+        num_blocks = budget // (block_bytes + draft_bytes)
         knob = "gpu_memory_utilization" if device.type == "cuda" else "kv_cache_memory"
         if num_blocks < 1:
             raise ValueError(
@@ -127,20 +140,33 @@ class Worker:
             config.max_model_len, loaded.spec, num_blocks * config.block_size, knob
         )
         loaded.model.fit_context(max_model_len)  # LongRoPE's factors depend on it
-        block_bytes = bytes_per_block(loaded.spec, config.block_size, kv_dtype)
-        num_swap_blocks = swap_space_blocks(config, block_bytes)
+        num_swap_blocks = swap_space_blocks(config, block_bytes + draft_bytes)
         runner = _make_runner(config, loaded, device, kv_dtype, num_blocks, num_swap_blocks)
+        step_costs = None
+        if config.speculative_method != "none":
+            draft_runner = None
+            if draft is not None:
+                draft.model.fit_context(max_model_len)
+                draft_runner = _make_runner(config, draft, device, kv_dtype, num_blocks,
+                                            num_swap_blocks)
+            identity = {"target": runner_identity(runner, loaded.spec, kernels),
+                        "draft": runner_identity(draft_runner, draft.spec, draft_kernels)
+                        if draft_runner is not None and draft is not None else None}
+            step_costs = enable_speculation(config, runner, draft_runner, max_model_len,
+                                            identity)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) on %s; "
             "max_model_len %d",
             num_blocks, config.block_size, num_blocks * config.block_size,
-            num_blocks * block_bytes / 2**20, str(kv_dtype).removeprefix("torch."), device,
+            num_blocks * (block_bytes + draft_bytes) / 2**20,
+            str(kv_dtype).removeprefix("torch.") + (" + the draft model's" if draft else ""),
+            device,
             max_model_len,
         )
         costs = None
         if num_swap_blocks:
             logger.info("swap space: %d blocks (%.1f MiB of host memory); preemption_mode %s",
-                        num_swap_blocks, num_swap_blocks * block_bytes / 2**20,
+                        num_swap_blocks, num_swap_blocks * (block_bytes + draft_bytes) / 2**20,
                         config.preemption_mode)
         if config.preemption_mode == "auto":
             costs = measure_preemption_costs(runner, config, num_blocks, num_swap_blocks,
@@ -148,7 +174,7 @@ class Worker:
             logger.info("preemption costs measured: %s", costs.describe())
         return cls(config, device, dtype, kv_dtype, loaded, runner, num_blocks, max_model_len,
                    activation_bytes, num_swap_blocks, costs, kernels, int8_linears, cpu_isa,
-                   quantization)
+                   quantization, step_costs)
 
     # The facts the engine reads (see `engine.llm_engine.ModelWorker`).
     @property
@@ -264,17 +290,7 @@ def measure_preemption_costs(
 
 def _fastest(run: Callable[[], object], device: torch.device) -> float:
     """The fastest of `COST_REPEATS` timed runs, after one untimed warm-up run."""
-    times = []
-    for i in range(COST_REPEATS + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timed_runs(run, device, COST_REPEATS))
 
 
 def kv_cache_budget(config: EngineConfig, device: torch.device, activation_bytes: int) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
+from dataclasses import replace
 
 from batchinfer.core.block_manager import BlockManager, cdiv
 from batchinfer.core.config import EngineConfig
@@ -56,6 +57,8 @@ from batchinfer.core.scheduling.deferral import deferral_target, is_deferred
 from batchinfer.core.scheduling.elastic import ElasticCaps
 from batchinfer.core.scheduling.policies import make_policy
 from batchinfer.core.scheduling.prefix_sharing import PrefixSharing
+from batchinfer.core.scheduling.spec_depth import StepCosts
+from batchinfer.core.scheduling.speculation import Speculation
 from batchinfer.core.scheduling.victims import preempting_makes_room
 
 # The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
@@ -75,9 +78,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         num_swap_blocks: int = 0,
         preemption_costs: PreemptionCosts | None = None,
+        step_costs: StepCosts | None = None,
     ) -> None:
         """`num_swap_blocks`: host blocks of the swap space (preemption_mode swap / auto);
-        `preemption_costs`: what auto compares (measured by the worker)."""
+        `preemption_costs`: what auto compares (measured by the worker); `step_costs`: what
+        speculative_depth auto weighs (measured by the worker)."""
         self.config = config
         self.max_model_len = max_model_len
         self.clock = clock
@@ -112,6 +117,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.preemptions = {(r, m): 0 for r in PREEMPTION_REASONS for m in PREEMPTED_KV}
         self._init_swap(num_swap_blocks, preemption_costs)
+        self.speculation = (Speculation(config, step_costs)
+                            if config.speculative_method != "none" else None)
         self._recent_preemptions: deque[int] = deque(maxlen=PREEMPTION_WINDOW_STEPS)
         self._step_preemptions = 0
         self._left_ids: list[str] = []
@@ -262,6 +269,10 @@ class Scheduler:
             # The deferred chunks found no blocks and nothing could be admitted: run them as
             # usual (preempting if need be), so a step never stalls while requests run.
             self._schedule_running(output, self.config.max_num_batched_tokens, None, [])
+        if self.speculation is not None and not output.is_empty:
+            self.speculation.plan(output, self.requests, self.block_manager,
+                                  self.config.max_num_batched_tokens
+                                  - output.num_scheduled_tokens, self._work_left)
         self._end_step(output)
         return output
 
@@ -296,43 +307,67 @@ class Scheduler:
         (`failed`: its id; its token is `None`) is left to the caller, and its blocks never
         enter the prefix cache: their KV may not have been written."""
         now = self.clock()
-        bm = self.block_manager
-        caching, size = bm.enable_prefix_caching, bm.block_size
-        logprobs = runner_output.logprobs or [None] * len(scheduler_output.sequences)
+        n = len(scheduler_output.sequences)
+        logprobs = runner_output.logprobs or [None] * n
+        accepted = runner_output.accepted_token_ids or [[] for _ in range(n)]
+        accepted_logprobs = runner_output.accepted_logprobs or [[] for _ in range(n)]
         outputs = []
         finished: list[Request] = []
-        for seq, token_id, token_logprobs in zip(
-            scheduler_output.sequences, runner_output.sampled_token_ids, logprobs, strict=True
+        for seq, token_id, token_logprobs, drafts, draft_logprobs in zip(
+            scheduler_output.sequences, runner_output.sampled_token_ids, logprobs, accepted,
+            accepted_logprobs, strict=True
         ):
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if seq.request_id in failed:
                 continue
-            before = request.num_computed_tokens
-            request.num_computed_tokens += seq.num_tokens
-            if caching and request.num_computed_tokens // size > before // size:
-                bm.cache_blocks(request.request_id, request.all_token_ids,
-                                request.num_computed_tokens)
             if token_id is None:
+                self._computed(request, seq.num_tokens)
                 continue
-            request.output_token_ids.append(token_id)
+            if self.speculation is not None and seq.num_spec_tokens:
+                self.speculation.record(request, seq.num_spec_tokens, len(drafts))
+            new_ids, status = self._append_tokens(request, [*drafts, token_id])
+            # The chunk and every new token but the last are computed (the accepted proposals).
+            self._computed(request, seq.num_tokens + len(new_ids) - 1)
             metrics = request.metrics
             if metrics.first_token_s is None:
                 metrics.first_token_s = now
             metrics.last_token_s = now
-            status = self._stop_status(request, token_id)
             if status is not None:
                 finished.append(request)
                 self._finish(request, status)
-            outputs.append(
-                self._output(request, [token_id], [token_logprobs] if token_logprobs else [])
-            )
+            elif seq.num_spec_tokens:
+                self.block_manager.trim(request.request_id, request.num_tokens)
+            new_logprobs = [*draft_logprobs, token_logprobs] if token_logprobs else []
+            outputs.append(self._output(request, new_ids, new_logprobs[: len(new_ids)]))
         if finished:
             # One pass instead of one `list.remove` per finished request.
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]
         return outputs
+
+    def _computed(self, request: Request, num_tokens: int) -> None:
+        """`num_tokens` more of the request's tokens have their KV computed: full blocks enter
+        the prefix cache."""
+        bm = self.block_manager
+        before = request.num_computed_tokens
+        request.num_computed_tokens += num_tokens
+        if bm.enable_prefix_caching and (
+                request.num_computed_tokens // bm.block_size > before // bm.block_size):
+            bm.cache_blocks(request.request_id, request.all_token_ids,
+                            request.num_computed_tokens)
+
+    def _append_tokens(self, request: Request, token_ids: list[int]
+                       ) -> tuple[list[int], RequestStatus | None]:
+        """Append new output tokens up to the first that stops the request (a stop id, EOS,
+        max_tokens, the context): the tokens kept and the finished status, if any."""
+        for i, token_id in enumerate(token_ids):
+            request.output_token_ids.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                return token_ids[: i + 1], status
+        return token_ids, None
 
     def stats(self, scheduler_output: SchedulerOutput | None = None) -> SchedulerStats:
         """The state after the step that ran `scheduler_output` (None: no step ran)."""
@@ -353,6 +388,9 @@ class Scheduler:
             swapped_out_blocks=self.swapped_out_blocks,
             swapped_in_blocks=self.swapped_in_blocks,
             recomputed_tokens=self.recomputed_tokens,
+            spec_decode=(replace(self.speculation.stats, accepted_per_position=list(
+                self.speculation.stats.accepted_per_position))
+                if self.speculation is not None else None),
         )
 
     @staticmethod

@@ -94,6 +94,8 @@ typedef struct {
     int64_t num_blocks;
     const float *kv_scales;  /* [layers][2]: k_scale, v_scale; NULL: all 1 */
     int32_t act8;  /* 1: the layers' quantized products of MIN_HELD_ROWS+ rows take 8-bit inputs */
+    int32_t kv_first;  /* 1: rows may share a sequence (speculative decoding's verification
+                        * rows): every row's K/V is written before any row attends */
 } bi_model;
 
 static inline int num_groups(const bi_linear *l) { return l->k / GROUP; }

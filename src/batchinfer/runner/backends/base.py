@@ -32,6 +32,10 @@ class BackendBase:
     `q . (K k_scale) = (q . K) k_scale` folds into the softmax scale and `V v_scale` into the
     output (`attend_chunks`, `PagedRowsBackend.__call__`).
 
+    Every backend writes all of a step's new K/V before any row attends, so one-token rows
+    that are successive positions of one sequence (speculative decoding's verification rows)
+    each attend to the ones before them.
+
     Swap space (`allocate_swap_space`): host blocks in the cache's own layout, `block_dim` being
     the dimension that numbers blocks; `swap_out` / `swap_in` copy whole blocks, bytes as they
     are (an FP8 block keeps its layer's scales, which are per layer, not per block).

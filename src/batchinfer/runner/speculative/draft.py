@@ -1,0 +1,146 @@
+"""The draft model (`speculative_method draft`): proposes tokens one row per sequence and step.
+
+It is a second `ModelRunner` over its own model (`self-q4`: the served checkpoint with 4-bit
+weights; or a smaller model with the same vocabulary) and its own paged KV cache of as many
+blocks as the target's, addressed by the same block tables: a sequence's block holds its target
+K/V in one cache and its draft K/V in the other. So the prefix cache, swaps (`swap_blocks`
+copies both) and rollbacks follow the target's bookkeeping with nothing of their own.
+
+The draft computes K/V lazily. Per sequence it keeps the tokens the runner has seen since it
+first saw the sequence (positions from `start` on; the scheduler sends each token once) and
+how far its own cache is written (`num_drafted`). Every step cuts both back to the target's
+`num_computed_tokens` (a rejected proposal's position is rewritten), so nothing it wrote for a
+rejected token is read; when a sequence proposes, the draft first writes what it has not yet
+(the prompt, on the first proposal; the last accepted proposal and the new token after it),
+then proposes one token per row, k rows deep. A sequence that does not propose costs the draft
+nothing. Blocks taken from the prefix cache are assumed to hold draft K/V, as they do when the
+sequence that computed them proposed; where not, proposals are worse (never outputs: the
+target decides every token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
+from batchinfer.runner.model_runner import ModelRunner
+from batchinfer.runner.speculative.verify import DRAFT_STREAM, Proposal
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A sequence's tokens from position `start` on, and the positions the draft's cache holds
+    (every one before `num_drafted`)."""
+
+    start: int
+    tokens: list[int]
+    num_drafted: int
+
+
+class DraftModel:
+    """Proposals of a draft model's runner (see the module docstring); `max_chunk_tokens`:
+    the most tokens of one sequence the draft writes in one forward while catching up."""
+
+    def __init__(self, runner: ModelRunner, max_chunk_tokens: int) -> None:
+        self.runner = runner
+        self.max_chunk_tokens = max_chunk_tokens
+        self._seen: dict[str, _Seen] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Sequences that left (finished, aborted, preempted)."""
+        for request_id in request_ids:
+            self._seen.pop(request_id, None)
+
+    def observe(self, sequences: list[ScheduledSequence]) -> None:
+        """Record a step's tokens; everything past each sequence's computed tokens is cut."""
+        for seq in sequences:
+            computed = seq.num_computed_tokens
+            seen = self._seen.get(seq.request_id)
+            if seen is None or not seen.start <= computed <= seen.start + len(seen.tokens):
+                seen = self._seen[seq.request_id] = _Seen(computed, [], computed)
+            del seen.tokens[computed - seen.start :]
+            seen.num_drafted = min(seen.num_drafted, computed)
+            seen.tokens.extend(seq.token_ids)
+
+    def accepted(self, request_id: str, token_ids: list[int]) -> None:
+        """The verified step accepted these proposals (computed by the target, in order)."""
+        seen = self._seen.get(request_id)
+        if seen is not None:
+            seen.tokens.extend(token_ids)
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
+                    ) -> None:
+        self.runner.swap_blocks(swap_out, swap_in)
+
+    def propose(self, sequences: list[ScheduledSequence], wanted: list[int]
+                ) -> list[Proposal | None]:
+        """`wanted[i]` tokens proposed for sequence i (0: none). Call after `observe`, under
+        inference mode."""
+        active = [i for i, k in enumerate(wanted) if k > 0]
+        tokens: dict[int, list[int]] = {i: [] for i in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        self._catch_up([sequences[i] for i in active])
+        for depth in range(max((wanted[i] for i in active), default=0)):
+            rows = [i for i in active if wanted[i] > depth]
+            self._draw([self._row(sequences[i], tokens[i], depth) for i in rows],
+                       [tokens[i] for i in rows], [probs[i] for i in rows])
+        proposals: list[Proposal | None] = [None] * len(sequences)
+        for i in active:
+            seq = sequences[i]
+            seen = self._seen[seq.request_id]
+            # Written: the sequence's tokens, then each proposal but the last.
+            seen.num_drafted = seq.num_computed_tokens + seq.num_tokens + wanted[i] - 1
+            stacked = torch.stack(probs[i]) if probs[i] else None
+            proposals[i] = Proposal(tokens[i], stacked)
+        return proposals
+
+    def _catch_up(self, sequences: list[ScheduledSequence]) -> None:
+        """Write the draft K/V each sequence lacks before its last token, in chunks of at most
+        `max_chunk_tokens` (its last token is written by the first proposing row)."""
+        while True:
+            chunks = []
+            for seq in sequences:
+                seen = self._seen[seq.request_id]
+                end = seq.num_computed_tokens + seq.num_tokens - 1
+                if seen.num_drafted < end:
+                    take = min(end - seen.num_drafted, self.max_chunk_tokens)
+                    first = seen.num_drafted - seen.start
+                    chunks.append(ScheduledSequence(
+                        seq.request_id, seen.tokens[first : first + take], seen.num_drafted,
+                        seq.block_table, False, seq.sampling_params, seq.num_prompt_tokens))
+                    seen.num_drafted += take
+            if not chunks:
+                return
+            self.runner.compute_logits(SchedulerOutput(chunks))
+
+    @staticmethod
+    def _row(seq: ScheduledSequence, proposed: list[int], depth: int) -> ScheduledSequence:
+        """The draft's row proposing token `depth` of `seq`: it reads the token before."""
+        last = seq.token_ids[-1] if depth == 0 else proposed[depth - 1]
+        history = seq.all_token_ids
+        return ScheduledSequence(
+            request_id=seq.request_id, token_ids=[last],
+            num_computed_tokens=seq.num_computed_tokens + seq.num_tokens - 1 + depth,
+            block_table=seq.block_table, sample=True, sampling_params=seq.sampling_params,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            all_token_ids=history + proposed[:depth] if history is not None else None,
+            sample_index=seq.sample_index + depth)
+
+    def _draw(self, rows: list[ScheduledSequence], tokens: list[list[int]],
+              probs: list[list[torch.Tensor]]) -> None:
+        """One draft step over `rows`: each row's token appended to its `tokens`, and for a
+        random row the distribution it was drawn from to its `probs`."""
+        logits, sampled = self.runner.compute_logits(SchedulerOutput(rows))
+        views = [rows[i] for i in sampled]
+        sampler = self.runner.sampler
+        sampler.process(logits, views)
+        _, drawn, kept = sampler.pick(logits, views, DRAFT_STREAM, keep_probs=True)
+        random = 0
+        for view_index, row_index in enumerate(sampled):
+            tokens[row_index].append(drawn[view_index])
+            if not views[view_index].sampling_params.greedy:
+                assert kept is not None  # a random row keeps its distribution
+                probs[row_index].append(kept[random])
+                random += 1
