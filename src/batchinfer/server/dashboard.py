@@ -4,7 +4,8 @@ second from `GET /dashboard/data` (JSON of recent samples).
 `DashboardRecorder` is a stat logger of the engine (`record_step`, `record_requests`, both
 called on the server's loop, as the route that reads it): per-second buckets of the last
 `HISTORY_S` seconds (steps, sequences and tokens per step: the real batch size, requests
-running and waiting, KV usage, preemption rate, output tokens), and the last
+running and waiting, KV usage, preemption rate, output tokens; with speculative decoding the
+depth the steps chose and the share of proposed tokens accepted), and the last
 `LATENCY_WINDOW_S` seconds of TTFT and ITL samples, by priority class. Both routes are behind
 `--api-key` like the rest; a browser, which cannot send the header, opens
 `/dashboard?api_key=KEY` once: the page is answered with a redirect to `/dashboard` that sets
@@ -46,6 +47,10 @@ class Second:
     waiting: int = 0
     kv_usage: float = 0.0
     preemption_rate: float = 0.0
+    # Speculative decoding: the depths the steps chose (summed), tokens proposed and accepted.
+    spec_depth: float = 0.0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class DashboardRecorder:
@@ -56,6 +61,7 @@ class DashboardRecorder:
         self.ttfts: deque[tuple[float, float, str]] = deque()  # (time, seconds, class)
         self.itls: deque[tuple[float, float, str]] = deque()
         self._last_token_s: dict[str, float] = {}
+        self._spec_totals = (0, 0)  # cumulative (proposed, accepted) tokens already counted
 
     def _at(self, time_s: float) -> Second:
         second = int(time_s)
@@ -76,6 +82,13 @@ class DashboardRecorder:
             bucket.tokens += stats.num_scheduled_tokens
         bucket.running, bucket.waiting = stats.num_running, stats.num_waiting
         bucket.kv_usage, bucket.preemption_rate = stats.kv_cache_usage, stats.preemption_rate
+        spec = stats.spec_decode
+        if spec is not None and stats.num_scheduled_seqs:
+            bucket.spec_depth += spec.depth
+            drafted, accepted = self._spec_totals
+            bucket.spec_draft_tokens += spec.num_draft_tokens - drafted
+            bucket.spec_accepted_tokens += spec.num_accepted_tokens - accepted
+            self._spec_totals = (spec.num_draft_tokens, spec.num_accepted_tokens)
 
     def record_requests(self, stats: list[RequestStats], now_s: float) -> None:
         for request in stats:
@@ -134,6 +147,9 @@ class DashboardRecorder:
             "kv_usage": [b.kv_usage for b in rows],
             "preemption_rate": [b.preemption_rate for b in rows],
             "output_tok_s": [float(b.output_tokens) for b in rows],
+            "spec_depth": [b.spec_depth / b.steps if b.steps else None for b in rows],
+            "spec_acceptance": [b.spec_accepted_tokens / b.spec_draft_tokens
+                                if b.spec_draft_tokens else None for b in rows],
         }
         classes = sorted({c for _, _, c in self.ttfts} | {c for _, _, c in self.itls})
         latency = {"all": _percentiles(self.ttfts, self.itls, None)}
@@ -146,7 +162,9 @@ class DashboardRecorder:
                       "kv_admission_watermark": config.kv_admission_watermark,
                       "kv_soft_watermark": config.kv_soft_watermark,
                       "batching": config.batching,
-                      "scheduling_policy": config.scheduling_policy}
+                      "scheduling_policy": config.scheduling_policy,
+                      "speculative_method": config.speculative_method,
+                      "max_speculative_tokens": config.max_speculative_tokens}
         return {"window_s": HISTORY_S, "latency_window_s": LATENCY_WINDOW_S, "series": series,
                 "latency": latency, "limits": limits}
 

@@ -25,6 +25,7 @@ from batchinfer.core.scheduling.scheduler import (
     PREEMPTION_WINDOW_STEPS,
 )
 from batchinfer.engine.outputs import RequestStats
+from batchinfer.server.spec_metrics import SpecDecodeMetrics
 
 # vLLM's buckets, so dashboards built for it read these the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -108,6 +109,7 @@ class ServerMetrics:
         self.batch_size = Histogram(
             "batchinfer_batch_size", "Sequences per engine step",
             buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.spec = SpecDecodeMetrics(r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(reason)
         for priority_class in PRIORITY_CLASSES:
@@ -142,6 +144,8 @@ class ServerMetrics:
         if stats.num_scheduled_seqs:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.batch_size.observe(stats.num_scheduled_seqs)
+        if stats.spec_decode is not None:
+            self.spec.record(stats.spec_decode)
 
     def _count(self, counter: Counter, key: object, total: float) -> None:
         """Add to `counter` what the cumulative `total` gained since the last step."""
