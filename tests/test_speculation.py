@@ -273,7 +273,8 @@ def test_a_request_whose_proposals_fail_stops_proposing():
     run(sched, config, WrongDrafts(4))
     stats = sched.speculation.stats
     assert stats.num_accepted_tokens == 0
-    assert 0 < stats.num_drafts < 40  # tried, then (mostly) left alone: 200 tokens, 40 tries
+    # Tried, then left alone but for a try every few tens of steps (200 tokens: 200 steps).
+    assert 0 < stats.num_drafts < 25
 
 
 def test_auto_depth_needs_step_costs():

@@ -142,6 +142,43 @@ def test_stop_strings_end_where_plain_decoding_ends(model_dir, plain):
         assert got.outputs[0].finish_reason == want.outputs[0].finish_reason == "stop"
 
 
+def test_penalties_and_grammars_beside_proposals(model_dir, plain):
+    """Penalties see each verification row's history (the proposals before it); a
+    grammar-constrained request proposes nothing and decodes as it would alone."""
+    from batchinfer.core.structured_output import StructuredOutput
+
+    batch = prompts(4, seed=7)
+    penalised = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                               repetition_penalty=1.5, frequency_penalty=2.0,
+                               presence_penalty=2.0, min_tokens=20)
+    constrained = SamplingParams(max_tokens=12, temperature=0,
+                                 structured_output=StructuredOutput(regex="[a-z ]+"))
+    spec = LLM(model_dir, **ENGINE, **{**SELF_Q4, "speculative_model": model_dir})
+    want = tokens(plain, batch, penalised)
+    assert want != tokens(plain, batch)  # the penalties change the tokens
+    assert tokens(spec, batch, penalised) == want
+    mixed = [*batch, batch[0]]
+    params = [GREEDY] * len(batch) + [constrained]
+    ours = spec.generate(mixed, params, use_tqdm=False)
+    theirs = plain.generate(mixed, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    assert ours[-1].outputs[0].token_ids and all(c.isalpha() or c == " "
+                                                 for c in ours[-1].outputs[0].text)
+
+
+def test_verification_rows_are_the_next_tokens_after_the_proposals_before_them():
+    history = [3, 1, 4, 1, 5, 9]
+    seq = ScheduledSequence("r", [9], 5, [0, 1], True, GREEDY, 3, all_token_ids=history,
+                            sample_index=3)
+    rows = rows_of(seq, [2, 6, 5])
+    assert [r.token_ids for r in rows] == [[9], [2], [6], [5]]
+    assert [r.num_computed_tokens for r in rows] == [5, 6, 7, 8]
+    assert [r.sample_index for r in rows] == [3, 4, 5, 6]
+    assert [r.all_token_ids for r in rows] == [history, [*history, 2], [*history, 2, 6],
+                                               [*history, 2, 6, 5]]
+    assert all(r.sample and r.block_table == [0, 1] for r in rows)
+
+
 # ----------------------------------------------------------------- the acceptance rule
 def _chi_square_p(counts: list[int], probs: list[float]) -> float:
     """The p-value of the counts under the distribution (chi-square, len - 1 degrees)."""

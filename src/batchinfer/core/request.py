@@ -159,9 +159,10 @@ class Request:
     # Swapped out: the host blocks holding the KV of its first `num_computed_tokens` tokens,
     # copied back into device blocks when it resumes (empty: nothing swapped).
     swap_blocks: list[int] = field(default_factory=list)
-    # Speculative decoding: the running rate at which its proposed tokens are accepted (None:
-    # none verified yet).
-    spec_acceptance: float | None = None
+    # Speculative decoding: its proposed tokens accepted and verified (accepted, and the first
+    # rejected of each proposal), counted with a fading memory (`scheduling.speculation`).
+    spec_accepted: float = 0.0
+    spec_verified: float = 0.0
     wait_start_s: float = field(init=False)
     metrics: RequestMetrics = field(init=False)
 

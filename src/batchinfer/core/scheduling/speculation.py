@@ -34,13 +34,17 @@ from batchinfer.core.scheduling.spec_depth import (
     choose_depths,
 )
 
-# Acceptance rates: a request's starts at the engine's running rate, and each verified
-# position moves it by this fraction towards 1 (accepted) or 0 (rejected); while a request
-# proposes nothing its rate drifts back towards the engine's by `RELAX` a step, so a request
-# that once did badly is tried again.
-PRIOR_ACCEPTANCE = 0.5
-RATE = 0.2
-RELAX = 0.02
+# A request's acceptance rate: (accepted + PRIOR_WEIGHT x PRIOR_ACCEPTANCE) / (verified +
+# PRIOR_WEIGHT), over its verified positions (each accepted one, and the first rejected one of
+# a proposal), counted with a fading memory (older ones weigh `FORGET` less per proposal).
+# The prior is optimistic, so where proposals are cheap a request is tried before anything is
+# known of it. While a request that could propose does not, its counts fade by `RELAX` a step,
+# so its rate drifts back towards the prior: one that did badly is tried again some tens of
+# steps later, at the cost of one proposal.
+PRIOR_ACCEPTANCE = 0.8
+PRIOR_WEIGHT = 2.0
+FORGET = 0.95
+RELAX = 0.01
 
 
 class Speculation:
@@ -55,7 +59,6 @@ class Speculation:
             raise ValueError("speculative_depth auto needs the step costs measured at start-up")
         self.costs = costs
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
-        self.engine_acceptance = PRIOR_ACCEPTANCE
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_depth)
 
     def plan(self, output: SchedulerOutput, requests: Mapping[str, Request], bm: BlockManager,
@@ -120,10 +123,8 @@ class Speculation:
         assert self.costs is not None  # checked at construction
         candidates = []
         for _, request, cap, _ in eligible:
-            rate = request.spec_acceptance
-            candidates.append(Candidate(
-                cap, self.engine_acceptance if rate is None else rate,
-                CLASS_WEIGHTS.get(request.priority_class, 1.0)))
+            candidates.append(Candidate(cap, acceptance(request),
+                                        CLASS_WEIGHTS.get(request.priority_class, 1.0)))
         num_rows = sum(1 for s in output.sequences if s.num_tokens == 1)
         num_prefill = output.num_scheduled_tokens - num_rows
         base = sum(CLASS_WEIGHTS.get(requests[s.request_id].priority_class, 1.0)
@@ -131,24 +132,28 @@ class Speculation:
         return choose_depths(candidates, self.costs, num_rows, num_prefill, base, budget,
                              drafts=self.method == "draft")
 
-    def _relax(self, request: Request) -> None:
-        """A request that could propose but does not drifts back towards the engine's rate."""
-        if request.spec_acceptance is not None:
-            request.spec_acceptance += RELAX * (self.engine_acceptance - request.spec_acceptance)
+    @staticmethod
+    def _relax(request: Request) -> None:
+        """A request that could propose but does not: its evidence fades."""
+        request.spec_accepted *= 1.0 - RELAX
+        request.spec_verified *= 1.0 - RELAX
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """One verification of `num_proposed` tokens of which the first `num_accepted` were
-        accepted: counters, and the request's and the engine's acceptance rates."""
+        accepted: the counters, and the request's acceptance rate."""
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_proposed
         stats.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
-        rate = request.spec_acceptance
-        rate = self.engine_acceptance if rate is None else rate
-        observed = [1.0] * num_accepted + ([0.0] if num_accepted < num_proposed else [])
-        for value in observed:
-            rate += RATE * (value - rate)
-            self.engine_acceptance += RATE / 4 * (value - self.engine_acceptance)
-        request.spec_acceptance = rate
+        verified = num_accepted + (1 if num_accepted < num_proposed else 0)
+        request.spec_accepted = request.spec_accepted * FORGET + num_accepted
+        request.spec_verified = request.spec_verified * FORGET + verified
+
+
+def acceptance(request: Request) -> float:
+    """The request's estimated chance that a proposed token is accepted (given the ones
+    before it were)."""
+    return ((request.spec_accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
+            / (request.spec_verified + PRIOR_WEIGHT))

@@ -28,6 +28,10 @@ from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.speculative.verify import DRAFT_STREAM, Proposal
 
+# Positions the draft lacks that its first proposing step writes as rows of its own (more are
+# written first, as prefill chunks).
+ROW_CATCH_UP_TOKENS = 8
+
 
 @dataclass(slots=True)
 class _Seen:
@@ -81,11 +85,20 @@ class DraftModel:
         active = [i for i, k in enumerate(wanted) if k > 0]
         tokens: dict[int, list[int]] = {i: [] for i in active}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        self._catch_up([sequences[i] for i in active])
+        self._catch_up([sequences[i] for i in active], ROW_CATCH_UP_TOKENS)
         for depth in range(max((wanted[i] for i in active), default=0)):
-            rows = [i for i in active if wanted[i] > depth]
-            self._draw([self._row(sequences[i], tokens[i], depth) for i in rows],
-                       [tokens[i] for i in rows], [probs[i] for i in rows])
+            rows: list[ScheduledSequence] = []
+            owners: list[int | None] = []
+            for i in active:
+                if wanted[i] <= depth:
+                    continue
+                if depth == 0:  # the few positions the draft lacks, as rows before its own
+                    missing = self._missing_rows(sequences[i])
+                    rows += missing
+                    owners += [None] * len(missing)
+                rows.append(self._row(sequences[i], tokens[i], depth))
+                owners.append(i)
+            self._draw(rows, owners, tokens, probs)
         proposals: list[Proposal | None] = [None] * len(sequences)
         for i in active:
             seq = sequences[i]
@@ -96,16 +109,17 @@ class DraftModel:
             proposals[i] = Proposal(tokens[i], stacked)
         return proposals
 
-    def _catch_up(self, sequences: list[ScheduledSequence]) -> None:
+    def _catch_up(self, sequences: list[ScheduledSequence], keep: int) -> None:
         """Write the draft K/V each sequence lacks before its last token, in chunks of at most
-        `max_chunk_tokens` (its last token is written by the first proposing row)."""
+        `max_chunk_tokens`, but for the last `keep` positions (the first proposing rows write
+        those, and the last token)."""
         while True:
             chunks = []
             for seq in sequences:
                 seen = self._seen[seq.request_id]
                 end = seq.num_computed_tokens + seq.num_tokens - 1
-                if seen.num_drafted < end:
-                    take = min(end - seen.num_drafted, self.max_chunk_tokens)
+                if seen.num_drafted < end - keep:
+                    take = min(end - keep - seen.num_drafted, self.max_chunk_tokens)
                     first = seen.num_drafted - seen.start
                     chunks.append(ScheduledSequence(
                         seq.request_id, seen.tokens[first : first + take], seen.num_drafted,
@@ -114,6 +128,18 @@ class DraftModel:
             if not chunks:
                 return
             self.runner.compute_logits(SchedulerOutput(chunks))
+
+    def _missing_rows(self, seq: ScheduledSequence) -> list[ScheduledSequence]:
+        """One-token rows (not sampling) of the positions before `seq`'s last token the draft
+        has not written (at most `ROW_CATCH_UP_TOKENS` once `_catch_up` ran)."""
+        seen = self._seen[seq.request_id]
+        end = seq.num_computed_tokens + seq.num_tokens - 1
+        rows = [ScheduledSequence(seq.request_id, [seen.tokens[position - seen.start]],
+                                  position, seq.block_table, False, seq.sampling_params,
+                                  seq.num_prompt_tokens)
+                for position in range(seen.num_drafted, end)]
+        seen.num_drafted = end
+        return rows
 
     @staticmethod
     def _row(seq: ScheduledSequence, proposed: list[int], depth: int) -> ScheduledSequence:
@@ -128,19 +154,22 @@ class DraftModel:
             all_token_ids=history + proposed[:depth] if history is not None else None,
             sample_index=seq.sample_index + depth)
 
-    def _draw(self, rows: list[ScheduledSequence], tokens: list[list[int]],
-              probs: list[list[torch.Tensor]]) -> None:
-        """One draft step over `rows`: each row's token appended to its `tokens`, and for a
-        random row the distribution it was drawn from to its `probs`."""
-        logits, sampled = self.runner.compute_logits(SchedulerOutput(rows))
+    def _draw(self, rows: list[ScheduledSequence], owners: list[int | None],
+              tokens: dict[int, list[int]], probs: dict[int, list[torch.Tensor]]) -> None:
+        """One draft step over `rows` (several may be positions of one sequence): each
+        sampling row's token appended to its owner's `tokens`, and for a random row the
+        distribution it was drawn from to its owner's `probs`."""
+        logits, sampled = self.runner.compute_logits(SchedulerOutput(rows), shared_rows=True)
         views = [rows[i] for i in sampled]
         sampler = self.runner.sampler
         sampler.process(logits, views)
         _, drawn, kept = sampler.pick(logits, views, DRAFT_STREAM, keep_probs=True)
         random = 0
         for view_index, row_index in enumerate(sampled):
-            tokens[row_index].append(drawn[view_index])
+            owner = owners[row_index]
+            assert owner is not None  # only a proposing row samples
+            tokens[owner].append(drawn[view_index])
             if not views[view_index].sampling_params.greedy:
                 assert kept is not None  # a random row keeps its distribution
-                probs[row_index].append(kept[random])
+                probs[owner].append(kept[random])
                 random += 1
