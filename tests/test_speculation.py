@@ -266,6 +266,23 @@ def test_auto_depth_turns_itself_off_when_compute_bound():
         assert outputs[f"r{i}"] == reference_tokens(make_request(i, 5, 30).prompt_token_ids, 30)
 
 
+def test_a_draft_model_starts_only_where_proposals_pay_once_prefills_are_done():
+    """Steps dominated by prefill chunks make a few decodes' proposals cheap, but a draft
+    model's first proposal writes the sequence's whole context: with 40 requests, whose
+    decode steps are compute-bound, no sequence starts; one request alone does."""
+    costs = StepCosts((1, 8, 64), (0.010, 0.012, 0.200), 0.005, (0.002, 0.004, 0.050))
+    assert choose_depths([Candidate(4, 0.8)] * 3, costs, 3, 1000, 3, 100, drafts=True) != [
+        0, 0, 0]  # on its own, a prefill step would take proposals
+    config = EngineConfig(block_size=4, speculative_method="draft", speculative_model="self-q4",
+                          max_num_batched_tokens=256)
+    for num_requests, proposing in ((40, False), (1, True)):
+        sched = Scheduler(config, num_blocks=2000, max_model_len=256, step_costs=costs)
+        for i in range(num_requests):
+            sched.add_request(make_request(i, 60, 20))
+        run(sched, config, FakeRunner(4))
+        assert (sched.speculation.stats.num_drafts > 0) == proposing, num_requests
+
+
 def test_a_request_whose_proposals_fail_stops_proposing():
     config = EngineConfig(block_size=4, speculative_method="draft", speculative_model="self-q4")
     sched = Scheduler(config, num_blocks=400, max_model_len=512, step_costs=MEMORY_BOUND)

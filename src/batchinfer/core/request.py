@@ -163,6 +163,9 @@ class Request:
     # rejected of each proposal), counted with a fading memory (`scheduling.speculation`).
     spec_accepted: float = 0.0
     spec_verified: float = 0.0
+    # Its preemption count when it first proposed with a draft model (None: never): the draft
+    # model's K/V of its context is written from then on, until a preemption.
+    spec_draft_started: int | None = None
     wait_start_s: float = field(init=False)
     metrics: RequestMetrics = field(init=False)
 

@@ -272,7 +272,8 @@ class Scheduler:
         if self.speculation is not None and not output.is_empty:
             self.speculation.plan(output, self.requests, self.block_manager,
                                   self.config.max_num_batched_tokens
-                                  - output.num_scheduled_tokens, self._work_left)
+                                  - output.num_scheduled_tokens, self._work_left,
+                                  len(self.running))
         self._end_step(output)
         return output
 

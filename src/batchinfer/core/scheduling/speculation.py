@@ -20,6 +20,7 @@ ever cached.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 from batchinfer.core.block_manager import BlockManager
@@ -62,10 +63,10 @@ class Speculation:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_depth)
 
     def plan(self, output: SchedulerOutput, requests: Mapping[str, Request], bm: BlockManager,
-             budget: int, work_left: Callable[[Request], int]) -> None:
+             budget: int, work_left: Callable[[Request], int], num_running: int) -> None:
         """Give this step's eligible decodes their proposed tokens (depth, blocks, and for
         ngram the tokens), within `budget` tokens; `work_left(request)`: output tokens it may
-        still produce."""
+        still produce; `num_running`: requests running."""
         eligible: list[tuple[ScheduledSequence, Request, int, list[int] | None]] = []
         num_eligible = 0
         for seq in output.sequences:
@@ -80,6 +81,8 @@ class Speculation:
                 if not proposal:
                     continue
                 cap = len(proposal)
+            elif not self._may_start(request, cap, num_running):
+                continue
             eligible.append((seq, request, cap, proposal))
         depths = self._depths(output, requests, eligible, budget)
         chosen = 0
@@ -94,6 +97,7 @@ class Speculation:
             seq.block_table = list(table)
             seq.num_spec_tokens = depth
             seq.spec_token_ids = proposal[:depth] if proposal is not None else None
+            request.spec_draft_started = request.num_preemptions
             budget -= depth
             chosen += depth
         self.stats.depth = chosen / num_eligible if num_eligible else 0.0
@@ -108,6 +112,27 @@ class Speculation:
             return 0
         # k proposals yield up to k + 1 tokens: leave room for the last one.
         return min(self.max_depth, work_left(request) - 1)
+
+    def _may_start(self, request: Request, cap: int, num_running: int) -> bool:
+        """Whether a request whose draft K/V is not written yet may start proposing (auto
+        depth, draft model): its first proposal writes the draft model's K/V of its whole
+        context, worth it only if proposals go on paying in a step of every running request
+        decoding, not only in this step (one dominated by prefill chunks, say): if every
+        running request proposed like it, would any proposal pay?"""
+        if not self.auto or self.method != "draft":
+            return True
+        if request.spec_draft_started == request.num_preemptions:
+            return True  # started, and not preempted since (the runner forgets then)
+        return self._pays_when_decoding(cap, round(acceptance(request), 2), num_running)
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 (one per engine, bounded)
+    def _pays_when_decoding(self, cap: int, rate: float, num_running: int) -> bool:
+        assert self.costs is not None  # checked at construction
+        depths = choose_depths([Candidate(cap, rate)] * num_running, self.costs,
+                               num_rows=num_running, num_prefill_tokens=0,
+                               base_tokens=num_running, max_total=cap * num_running,
+                               drafts=True)
+        return any(depths)
 
     @staticmethod
     def _room_in_blocks(request: Request, bm: BlockManager) -> int:
