@@ -6,8 +6,10 @@ attention once, runs the model with the backend as its attention callable, compu
 for the rows that sample (the last token of each sequence whose chunk ends its known tokens),
 and samples. Its only per-request state is the grammar matchers of structured outputs
 (`structured.py`), dropped for `finished_request_ids` and rebuilt from the token history when a
-sequence comes back, so preemption and abort need nothing else from it. The grammar masks are
-filled after the forward is queued: on CUDA the host fills them while the device computes.
+sequence comes back, so preemption and abort need nothing else from it (a draft model's record
+of what it has written, with speculative decoding, is dropped and rebuilt the same way:
+`runner/speculative/`). The grammar masks are filled after the forward is queued: on CUDA the
+host fills them while the device computes.
 """
 
 from __future__ import annotations

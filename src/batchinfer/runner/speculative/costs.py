@@ -3,7 +3,8 @@
 Dummy steps of `PROBE_ROWS` one-token rows (up to the most rows a step can have with
 proposals), each at `PROBE_CONTEXT` tokens of context, run the way real steps run (the native
 decode step where it was chosen, else the torch model; sampling included), a warm-up then
-`PROBE_STEPS` timed, the median counting; one prefill chunk of `PREFILL_TOKENS` tokens gives
+`PROBE_STEPS` timed, the fastest counting (a neighbour's work only ever slows a run down; a
+step of more rows is never taken as cheaper than one of fewer); one prefill chunk of `PREFILL_TOKENS` tokens gives
 the cost per prefill token; the draft model's runner, if any, is probed at the same rows. The
 answer is cached under the cache folder, keyed by everything it depends on (machine, torch,
 threads, the model's shape, both runners' kernels and cache, the probes), so a restart
@@ -16,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ def step_costs(target: ModelRunner, draft: ModelRunner | None, max_rows: int,
     facts = {"cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__,
              "threads": torch.get_num_threads(), "native": native.source_digest(),
              "rows": list(rows), "context": context, "steps": PROBE_STEPS,
-             "prefill": PREFILL_TOKENS, **identity}
+             "prefill": PREFILL_TOKENS, "method": "fastest-rising", **identity}
     key = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
     path = cache_dir / "spec-costs" / f"{key[:24]}.json" if cache_dir is not None else None
     if path is not None:
@@ -69,9 +69,9 @@ def step_costs(target: ModelRunner, draft: ModelRunner | None, max_rows: int,
         except (OSError, ValueError, KeyError, TypeError):
             pass  # not measured yet here, or unreadable: measure
     costs = StepCosts(
-        rows, tuple(_decode_s(target, r, context) for r in rows),
+        rows, _rising([_decode_s(target, r, context) for r in rows]),
         _prefill_token_s(target, max(1, min(PREFILL_TOKENS, max_model_len - 1))),
-        tuple(_decode_s(draft, r, context) for r in rows) if draft is not None else None)
+        _rising([_decode_s(draft, r, context) for r in rows]) if draft is not None else None)
     if path is not None:
         write_cache_json(path, {"cpu": cpu_model(), "rows": list(costs.rows),
                                 "decode_s": list(costs.decode_s),
@@ -79,6 +79,14 @@ def step_costs(target: ModelRunner, draft: ModelRunner | None, max_rows: int,
                                 "draft_s": list(costs.draft_s) if costs.draft_s else None},
                          "the speculative decoding step costs")
     return costs
+
+
+def _rising(seconds: list[float]) -> tuple[float, ...]:
+    """The times with each at least the one before."""
+    out: list[float] = []
+    for value in seconds:
+        out.append(max(value, out[-1]) if out else value)
+    return tuple(out)
 
 
 def _decode_s(runner: ModelRunner, num_rows: int, context: int) -> float:
@@ -91,7 +99,7 @@ def _decode_s(runner: ModelRunner, num_rows: int, context: int) -> float:
         [(i * per_seq + b) % runner.num_blocks for b in range(per_seq)], True, params, context)
         for i in range(num_rows)]
     step = SchedulerOutput(sequences=sequences)
-    return _median_s(lambda: runner.sample_step(step), runner.device)
+    return _fastest_s(lambda: runner.sample_step(step), runner.device)
 
 
 def _prefill_token_s(runner: ModelRunner, num_tokens: int) -> float:
@@ -102,9 +110,9 @@ def _prefill_token_s(runner: ModelRunner, num_tokens: int) -> float:
         "probe-prefill", [(5 * i + 1) % PROBE_VOCAB + 1 for i in range(num_tokens)], 0,
         [b % runner.num_blocks for b in range(cdiv(num_tokens, size))], True, params,
         num_tokens)])
-    return _median_s(lambda: runner.sample_step(step), runner.device) / num_tokens
+    return _fastest_s(lambda: runner.sample_step(step), runner.device) / num_tokens
 
 
-def _median_s(run: Callable[[], object], device: torch.device) -> float:
-    """The median of `PROBE_STEPS` timed runs after one untimed warm-up."""
-    return statistics.median(timed_runs(run, device, PROBE_STEPS))
+def _fastest_s(run: Callable[[], object], device: torch.device) -> float:
+    """The fastest of `PROBE_STEPS` timed runs after one untimed warm-up."""
+    return min(timed_runs(run, device, PROBE_STEPS))
