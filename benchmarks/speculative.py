@@ -187,6 +187,8 @@ def part_burst(args: argparse.Namespace) -> None:
                      "kv_cache_memory": 2 * args.kv_cache_memory}, "summarize"),
     }
     for weights, (plain_knobs, spec_knobs, task) in cases.items():
+        if weights not in args.burst_weights.split(","):
+            continue
         print(f"burst of {args.burst}, {weights} weights", flush=True)
         llms = engines(args, {"plain": plain_knobs, "auto": spec_knobs})
         pool = prompts(llms["plain"], task, args.num_prompts, args.seed)
@@ -206,6 +208,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--burst", type=int, default=32)
+    parser.add_argument("--burst-weights", default="q4,float32",
+                        help="the bursts to run: q4 (with ngram), float32 (with self-q4)")
     parser.add_argument("--depth", type=int, default=4, help="the fixed depth compared")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default=1 << 30,
