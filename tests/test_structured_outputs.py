@@ -74,3 +74,29 @@ def test_logit_bias_moves_greedy_decoding(llm):
     biased = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                                     logit_bias={target: 100.0}))
     assert biased[0].outputs[0].token_ids == [target] * 4
+
+
+def test_json_strings_take_only_valid_utf8_and_count_code_points():
+    """A byte-level vocabulary can spell a UTF-16 surrogate's three UTF-8-like bytes, which
+    xgrammar's own string classes admit; the schema grammar refuses them (so every string
+    decodes without U+FFFD) and a bounded string counts one JSON character per repetition."""
+    import xgrammar as xgr
+
+    from batchinfer.runner.structured import _json_schema_grammar
+
+    vocab = [bytes([i]) for i in range(256)]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW))
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "minLength": 2, "maxLength": 3}, "b": {"type": "string"}},
+        "required": ["a", "b"], "additionalProperties": False}
+    grammar = compiler.compile_grammar(_json_schema_grammar(json.dumps(schema)))
+
+    def accepts(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(b) for b in text) and matcher.is_completed()
+
+    assert accepts('{"a": "é\\u00e9\\n", "b": "\U00102de7"}'.encode())
+    assert not accepts(b'{"a": "x\xed\xb7\xa7", "b": ""}')  # a surrogate in a bounded string
+    assert not accepts(b'{"a": "xy", "b": "\xed\xa0\x80"}')  # ... and in a free one
+    assert not accepts(b'{"a": "x\x01", "b": ""}')  # raw control characters are not JSON
+    assert not accepts(b'{"a": "abcd", "b": ""}')  # 4 > maxLength

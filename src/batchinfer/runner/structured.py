@@ -41,6 +41,18 @@ from batchinfer.core.validation import ParamError
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
 # `json_object`: any JSON object.
 _JSON_OBJECT = '{"type": "object"}'
+# xgrammar (0.2.9) writes a JSON string's characters as classes of code points that let two
+# kinds of invalid output through: a string with minLength / maxLength is
+# `[^"\\\r\n]{m,n}` (raw control characters allowed, which `json.loads` refuses; escapes not:
+# its issue #800), and every class admits the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8
+# form is no valid UTF-8 (a byte-level vocabulary can spell them; they decode to U+FFFD, one
+# per byte, and a bounded string comes out too long). Each bounded repetition becomes one
+# JSON character (a code point but C0, quote, backslash and surrogates, or one escape), and
+# the unbounded strings' class loses the surrogates.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_JSON_CODE_POINT = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_JSON_STRING_CHAR = rf'({_JSON_CODE_POINT} | "\\" ([\"\\/bfnrt] | "u" [A-Fa-f0-9]{{4}}))'
 
 
 @dataclass(slots=True)
@@ -117,10 +129,8 @@ class StructuredOutputs:
         compiler = self._compiler_once()
         try:
             if spec.json_schema is not None or spec.json_object:
-                # No whitespace but xgrammar's `, ` and `: ` separators: free whitespace lets
-                # a small model spend its whole budget on spaces and newlines.
-                grammar = compiler.compile_json_schema(
-                    spec.json_schema or _JSON_OBJECT, any_whitespace=False, strict_mode=True)
+                grammar = compiler.compile_grammar(_json_schema_grammar(
+                    spec.json_schema or _JSON_OBJECT))
             elif spec.regex is not None:
                 grammar = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:
@@ -194,6 +204,15 @@ class StructuredOutputs:
     @property
     def num_matchers(self) -> int:
         return len(self._sequences)
+
+
+def _json_schema_grammar(schema: str) -> str:
+    """The EBNF of a JSON schema, as xgrammar writes it, with strings' characters made JSON's
+    (valid UTF-8, no raw control characters). No whitespace but xgrammar's `, ` and `: ` separators: free whitespace lets a
+    small model spend its whole budget on spaces and newlines."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    text = str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return text.replace(_STRING_CHAR, _JSON_CODE_POINT)
 
 
 def _catch_up(state: _SequenceGrammar, seq: ScheduledSequence) -> None:
