@@ -24,6 +24,7 @@ SCHEDULING_POLICIES = tuple(POLICIES)  # fcfs, priority: one class each in core.
 QUANTIZATIONS = ("auto", "none", "int8", "q8", "q4")
 ENCODER_QUANTIZATIONS = ("none", "int8", "q8")  # an encoder's weights
 PREFILL_ACTIVATIONS = ("int16", "int8")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # engine/tools.py's syntaxes
 LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "int8_native", "q4",
                   "q4_dense", "q4_native", "q8_native", "q8_dense")
 GiB = 1 << 30
@@ -180,6 +181,11 @@ class EngineConfig:
     max_cached_grammars: int = field(default=256, metadata=_help(
         "structured outputs: most compiled grammars kept, one per distinct JSON schema, regex, "
         "choice list or grammar (least recently used dropped first)"))
+    tool_call_parser: str = field(default="auto", metadata=_help(
+        "the tool-call syntax read from (and, for tool_choice required or a named function, "
+        "enforced on) a chat's output: hermes (<tool_call> JSON blocks: Qwen 2.5 / 3, Hermes, "
+        "and the fallback prompt of templates that take no tools), llama3_json (Llama 3.1+ "
+        "JSON objects), auto (from the chat template's text)"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -192,6 +198,7 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("linear_kernels", self.linear_kernels, LINEAR_KERNELS)
         check_choice("prefill_activations", self.prefill_activations, PREFILL_ACTIVATIONS)
+        check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.preset is not None:
             check_choice("preset", self.preset, tuple(PRESETS))
         if not isinstance(self.model, str) or not self.model:

@@ -80,7 +80,7 @@ class LLMEngine:
                                clock, worker.num_swap_blocks, worker.preemption_costs)
         self.processor = Processor(worker.tokenizer, worker.vocab_size, worker.max_model_len,
                                    worker.eos_token_ids, clock, config.special_tokens_in_chat,
-                                   worker.structured_outputs)
+                                   worker.structured_outputs, config.tool_call_parser)
         self.output_processor = OutputProcessor(worker.tokenizer)
 
     @classmethod

@@ -8,8 +8,10 @@ one token bitmask for the whole batch per step (xgrammar).
   read once, at the first compile (xgrammar's `TokenizerInfo`, as wide as the model's logits).
 - `fill(sequences)` gives each constrained row of a step its matcher, brings the matcher up to
   the sequence's output so far, and fills every row of one bitmask in one batched call (its
-  threads are xgrammar's). The sampler applies the `GrammarMask` to the logits before anything
-  else, so reported logprobs are those of the constrained distribution (vLLM's order).
+  threads are xgrammar's). The runner starts it (`start_fill`) on a worker thread before the
+  step's forward and takes the mask after it: the host work of the masks overlaps the model's.
+  The sampler applies the `GrammarMask` to the logits before anything else, so reported
+  logprobs are those of the constrained distribution (vLLM's order).
 
 A matcher is a cache of "the grammar's state after this sequence's output tokens": the
 truth is the token history the scheduler sends with every constrained sampling row
@@ -27,11 +29,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xgrammar as xgr
+from xgrammar.builtin_structural_tag import get_model_structural_tag
 
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.structured_output import StructuredOutput
@@ -39,6 +43,10 @@ from batchinfer.core.validation import ParamError
 
 # xgrammar's C++ errors start with a timestamp, a source location and an assertion's text.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
+# Tool-call syntaxes: ours -> xgrammar's structural-tag template of that syntax.
+# `hermes`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen 2.5 / 3, Hermes);
+# `llama3_json`: `{"name": ..., "parameters": {...}}` (Llama 3.1 - 3.3).
+TOOL_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 # `json_object`: any JSON object.
 _JSON_OBJECT = '{"type": "object"}'
 # xgrammar (0.2.9) writes a JSON string's characters as classes of code points that let two
@@ -103,6 +111,7 @@ class StructuredOutputs:
         self._sequences: dict[str, _SequenceGrammar] = {}
         self._bitmask: torch.Tensor | None = None
         self._batch = xgr.BatchGrammarMatcher()
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     # ----------------------------------------------------------------- compilation
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
@@ -137,6 +146,9 @@ class StructuredOutputs:
                 # JSON string literals are EBNF string literals (the same escapes).
                 grammar = compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            elif spec.structural_tag is not None:
+                grammar = compiler.compile_structural_tag(_with_our_json(
+                    json.loads(spec.structural_tag)))
             else:
                 grammar = compiler.compile_grammar(spec.grammar or "")
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -172,6 +184,15 @@ class StructuredOutputs:
         """Drop the matchers of sequences that left (finished, aborted or preempted)."""
         for request_id in request_ids:
             self._sequences.pop(request_id, None)
+
+    def start_fill(self, sequences: Sequence[ScheduledSequence]) -> Future[GrammarMask | None] \
+            | None:
+        """`fill(sequences)` started on this object's worker thread (xgrammar fills without
+        the GIL, so it overlaps the step's forward); None when no row is constrained. At most
+        one fill runs at a time: the caller waits for its result before the next step."""
+        if not any(seq.sampling_params.structured_output is not None for seq in sequences):
+            return None
+        return self._filler.submit(self.fill, sequences)
 
     def fill(self, sequences: Sequence[ScheduledSequence]) -> GrammarMask | None:
         """The mask of one step's sampling rows (`sequences[i]` is logits row i); None when no
@@ -213,6 +234,36 @@ def _json_schema_grammar(schema: str) -> str:
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
     text = str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
     return text.replace(_STRING_CHAR, _JSON_CODE_POINT)
+
+
+def _with_our_json(node: Any) -> Any:
+    """A structural tag's format tree with each `json_schema` format replaced by the grammar
+    `_json_schema_grammar` writes for it (JSON's strings, our whitespace), as plain data."""
+    if isinstance(node, list):
+        return [_with_our_json(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+        return {"type": "grammar", "grammar": _json_schema_grammar(json.dumps(node["json_schema"]))}
+    return {key: _with_our_json(value) for key, value in node.items()}
+
+
+def tool_call_tag(
+    tool_format: str,
+    tools: Sequence[dict[str, Any]],
+    tool_choice: Literal["required"] | dict[str, Any],
+    parallel_tool_calls: bool,
+) -> dict[str, Any]:
+    """The structural tag (plain data) that makes a model call tools in its own syntax:
+    `tool_format` is one of `TOOL_FORMATS`' keys, `tools` OpenAI's function tools, `tool_choice`
+    `"required"` (one call or more; one with `parallel_tool_calls` false) or a named function
+    `{"type": "function", "function": {"name": ...}}` (exactly that one call). xgrammar writes
+    the syntax of each format; `ValueError` for a choice it cannot build."""
+    tag = get_model_structural_tag(
+        TOOL_FORMATS[tool_format], tools=list(tools), tool_choice=tool_choice,
+        reasoning="disabled", parallel_tool_calls=parallel_tool_calls)
+    data: dict[str, Any] = tag.model_dump(mode="json")
+    return data
 
 
 def _catch_up(state: _SequenceGrammar, seq: ScheduledSequence) -> None:
