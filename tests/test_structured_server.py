@@ -146,6 +146,11 @@ BAD = [
     # (body fields, param, words in the message)
     ({"response_format": json_schema_format({"type": "object", "properties": {
         "a": {"type": "array", "uniqueItems": True}}})}, "response_format", "uniqueItems"),
+    ({"response_format": json_schema_format({"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^a+$", "maxLength": 3}}})}, "response_format",
+     "maxLength beside pattern"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"format": "iri"}}}},
+     "guided_json", "format 'iri'"),
     ({"response_format": json_schema_format({"type": "nonsense"})}, "response_format",
      "does not compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},

@@ -25,6 +25,8 @@ UNENFORCED_KEYWORDS = frozenset({
     "contains", "minContains", "maxContains", "not", "if", "then", "else",
     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems",
 })
+# String formats it does not check (other names are annotations, as JSON Schema has them).
+UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 # Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
 _SUBSCHEMA = frozenset({"additionalProperties", "items", "additionalItems", "propertyNames",
                         "unevaluatedProperties"})
@@ -144,6 +146,13 @@ def _check_keywords(schema: object, where: str) -> None:
     for keyword, value in schema.items():
         refused = keyword in UNENFORCED_KEYWORDS or (keyword == "uniqueItems" and value is True) \
             or (keyword == "allOf" and isinstance(value, list) and len(value) > 1)
+        if keyword == "format" and value in UNENFORCED_FORMATS:
+            raise ValueError(f"structured_output.json_schema: format {value!r}{at} is not "
+                             "supported: the output could not be guaranteed to match it")
+        if keyword in ("pattern", "format") and ({"minLength", "maxLength"} & set(schema)):
+            raise ValueError(f"structured_output.json_schema: minLength / maxLength beside "
+                             f"{keyword}{at} is not supported: the grammar would follow the "
+                             f"{keyword} alone (bound the length inside a pattern instead)")
         if refused:
             what = "allOf with more than one schema" if keyword == "allOf" else keyword
             raise ValueError(f"structured_output.json_schema: {what}{at} is not supported: "
