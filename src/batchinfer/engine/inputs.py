@@ -125,13 +125,13 @@ def _special_texts(tokenizer: Any) -> set[str]:
 
 
 def _encode_content_as_text(
-    tokenizer: Any, messages: Chat, options: Mapping[str, Any]
+    tokenizer: Any, messages: Chat, options: Mapping[str, Any] | None = None
 ) -> list[int]:
     """Render with a mark in place of each content, then tokenize the template's own text with
     special tokens and each content as plain text, in order."""
     marked = [dict(m, content=_CONTENT_MARK.format(i)) if isinstance(m["content"], str)
               else dict(m) for i, m in enumerate(messages)]
-    pieces = _CONTENT_MARK_RE.split(_apply_template(tokenizer, marked, options))
+    pieces = _CONTENT_MARK_RE.split(_apply_template(tokenizer, marked, options or {}))
     ids: list[int] = []
     for k, piece in enumerate(pieces):
         if k % 2 == 0:  # template text
