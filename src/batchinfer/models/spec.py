@@ -37,6 +37,18 @@ _EVERY_LAYER_WINDOWS = ("MistralForCausalLM", "Phi3ForCausalLM")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer's attention reads its context, which the attention backend applies:
+    the softmax `scale`, the `window` (a query at position `p` sees keys `p - window + 1 .. p`;
+    None: all of them) and the `softcap` (scores become `softcap * tanh(score / softcap)`
+    before the softmax; None: left as they are)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a decoder-only model, read from a Hugging Face `config.json`.
@@ -83,6 +95,19 @@ class ModelSpec:
     def attention_scale(self) -> float:
         """The softmax scale: `1 / sqrt(query_pre_attn_scalar or head_dim)`."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_attention(self, layer_idx: int) -> LayerAttention:
+        """How layer `layer_idx` attends (scale, window, soft-capping)."""
+        return LayerAttention(self.attention_scale, self.layer_window(layer_idx),
+                              self.attn_logit_softcapping)
+
+    @property
+    def kv_window(self) -> int | None:
+        """Where every layer has a window: its size, the most recent tokens any layer reads
+        (the KV of older ones may be dropped); None where some layer reads the whole context."""
+        if self.sliding_window is None or self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelSpec:
