@@ -1,7 +1,8 @@
 """Each model family beyond Llama, on a tiny random model built with transformers' own config
 class, against Hugging Face: logits of a flat batch, then `LLM.generate`'s greedy tokens and
-top logprobs (whole prompts and chunked prefill), then quantized weights. Qwen3's GGUF round
-trip is in test_gguf.py."""
+top logprobs (whole prompts and chunked prefill), then quantized weights. GGUF round trips are
+in test_gguf.py; sliding windows past their end (preemption, prefix caching) in
+test_sliding_window_models.py."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def longrope(original: int) -> dict[str, Any]:
             "original_max_position_embeddings": original}
 
 
+GEMMA3_LAYERS: dict[str, Any] = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                           "rope_theta": 1_000_000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+}
 CASES = {
     "qwen3": Case("qwen3"),
     # head_dim set apart from hidden / heads (64 / 4), as Qwen3 checkpoints do
@@ -56,12 +63,19 @@ CASES = {
     "phi3-longrope-long": Case("phi3", {"rope_scaling": longrope(64),
                                         "original_max_position_embeddings": 64},
                                min_len=70, max_len=120),
+    # Gemma 2: local (window 12) and global layers, soft-caps small enough to bite
+    "gemma2": Case("gemma2", {"sliding_window": 12, "attn_logit_softcapping": 2.0,
+                              "final_logit_softcapping": 5.0}),
+    "gemma2-tied": Case("gemma2", {"sliding_window": 12, "tie_word_embeddings": True,
+                                   "query_pre_attn_scalar": 40}),
+    # Gemma 3: q/k norms, local layers on their own RoPE base, global ones linearly scaled
+    "gemma3": Case("gemma3", {"sliding_window": 12, **GEMMA3_LAYERS}),
 }
 # Step budgets: whole prompts in one step, and chunked prefill (prompts cut into 16-token
 # chunks, batched with other sequences' decodes).
 BUDGETS = {"whole": 2048, "chunked": 16}
 # One case per family for quantized weights (each is a few engines).
-QUANTIZED_CASES = ["qwen3", "phi3-longrope-short"]
+QUANTIZED_CASES = ["qwen3", "phi3-longrope-short", "gemma3"]
 NUM_TOP = 5
 
 
@@ -110,8 +124,9 @@ def test_logits_of_a_flat_batch_match_transformers(tmp_path: Path, case: str) ->
         boundaries.append((start, start + len(seq)))
         start += len(seq)
     positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
+    layers = [loaded.spec.layer_attention(i) for i in range(loaded.spec.num_layers)]
     with torch.inference_mode():
-        hidden = loaded.model(torch.cat(sequences), positions, dense_attention(boundaries))
+        hidden = loaded.model(torch.cat(sequences), positions, dense_attention(boundaries, layers))
         ours = loaded.model.compute_logits(hidden)
     reference = hf_model(folder)
     expected = torch.cat([hf_logits(reference, seq.tolist()) for seq in sequences])
@@ -167,15 +182,28 @@ def test_quantized_weights_give_the_tokens_of_the_rounded_model(
                        max_tokens=8, atol=2e-2)
 
 
-def test_native_decode_steps_refuse_qwen3_layers(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("case", "why"), [
+    ("qwen3", "Qwen3ForCausalLM's layers are not the Llama layer"),
+    ("gemma2", "Gemma2ForCausalLM's layers are not the Llama layer"),
+])
+def test_native_decode_steps_refuse_layers_they_do_not_compute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, why: str) -> None:
     monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
-    llm = LLM(str(make_case(tmp_path, "qwen3")), dtype="float32", kv_cache_memory=16 << 20,
+    llm = LLM(str(make_case(tmp_path, case)), dtype="float32", kv_cache_memory=16 << 20,
               quantization="q4", linear_kernels="q4_native", native_decode=True)
     worker = llm.engine.worker
     assert worker.runner.native_decode is None
-    decoder, why = NativeDecoder.build(worker.loaded.model, worker.runner.attention)
-    assert decoder is None and "Qwen3ForCausalLM's layers are not the Llama layer" in why
+    decoder, reason = NativeDecoder.build(worker.loaded.model, worker.runner.attention)
+    assert decoder is None and why in reason
+
+
+def test_native_decode_steps_refuse_sliding_windows(tmp_path: Path) -> None:
+    from batchinfer.models import load_model as load
+    from batchinfer.runner.native_decode import unsupported_layers
+
+    folder = make_tiny_llama(tmp_path, "mistral", sliding_window=8)
+    loaded = load(str(folder), torch.float32, "cpu")
+    assert unsupported_layers(loaded.model) == "sliding-window attention is not in the native step"
 
 
 def test_unknown_architecture_names_it_and_lists_the_supported(tmp_path: Path) -> None:
@@ -219,5 +247,43 @@ def test_rope_scalings_not_served_are_refused_by_name(rope: dict[str, Any],
     config = {"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 300,
               "max_position_embeddings": 512, "rope_scaling": rope}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(config, source="x/config.json")
+
+
+GEMMA_CONFIG = {"num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "vocab_size": 300, "max_position_embeddings": 512, "sliding_window": 8}
+
+
+def test_gemma_specs_read_their_configs_as_transformers_does() -> None:
+    # Gemma 3 as transformers 4 wrote it: the global layers' rope_theta and rope_scaling, the
+    # local ones' rope_local_base_freq, the layer types from sliding_window_pattern.
+    spec = ModelSpec.from_hf_config({
+        **GEMMA_CONFIG, "architectures": ["Gemma3ForCausalLM"], "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window_pattern": 3})
+    assert (spec.rope_theta, spec.local_rope_theta) == (1e6, 1e4)
+    assert spec.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert spec.full_attention_layers == {2, 5} and spec.kv_window is None
+    assert (spec.query_pre_attn_scalar, spec.attn_logit_softcapping) == (256, None)
+    assert spec.hidden_act == "gelu_pytorch_tanh"
+    # Gemma 2 without its optional fields: transformers' defaults, local and global in turn.
+    spec = ModelSpec.from_hf_config({**GEMMA_CONFIG, "architectures": ["Gemma2ForCausalLM"]})
+    assert spec.full_attention_layers == {1, 3, 5}
+    assert (spec.attn_logit_softcapping, spec.final_logit_softcapping) == (50.0, 30.0)
+    assert spec.layer_attention(0).window == 8 and spec.layer_attention(1).window is None
+    assert spec.layer_attention(0).scale == 256**-0.5 and spec.layer_attention(0).softcap == 50
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "sliding_attention: only the default RoPE"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
+])
+def test_gemma_fields_not_served_are_refused_by_name(fields: dict[str, Any],
+                                                     message: str) -> None:
+    config = {**GEMMA_CONFIG, "architectures": ["Gemma3ForCausalLM"], **fields}
     with pytest.raises(ValueError, match=message):
         ModelSpec.from_hf_config(config, source="x/config.json")

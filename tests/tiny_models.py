@@ -15,6 +15,7 @@ mapping, permutation or RoPE changes the logits well beyond float32 noise.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -35,6 +38,7 @@ from transformers import (
 )
 
 from batchinfer.models import AttentionFn
+from batchinfer.models.spec import LayerAttention
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 BOS_TOKEN_ID = 1
@@ -54,7 +58,8 @@ _CORPUS = [
 ] * 4
 
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-            "qwen3": Qwen3Config, "phi3": Phi3Config}
+            "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma2": Gemma2Config,
+            "gemma3": Gemma3TextConfig}
 
 
 def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -109,6 +114,8 @@ def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
         params["sliding_window"] = None
     if arch == "phi3":
         params["pad_token_id"] = 0
+    if arch in ("gemma2", "gemma3"):  # Gemma's defaults are a real model's: made tiny here
+        params.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=4096, pad_token_id=0)
     params.update(overrides)
     config = _CONFIGS[arch](**params)
     torch.manual_seed(seed)
@@ -269,19 +276,28 @@ def _add_tensor(
 # Reference attention callables for LlamaForCausalLM.forward (no paging, plain SDPA).
 
 
-def dense_attention(boundaries: list[tuple[int, int]]) -> AttentionFn:
-    """Causal attention within each [start, end) of the flat batch; no attention across them."""
+def dense_attention(boundaries: list[tuple[int, int]],
+                    layers: Sequence[LayerAttention] = ()) -> AttentionFn:
+    """Causal attention within each [start, end) of the flat batch; no attention across them.
+    `layers` (one per layer) gives each its scale, window and soft-cap (default: plain)."""
 
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         group = q.shape[1] // k.shape[1]
+        layer = layers[layer_idx] if layers else LayerAttention(q.shape[-1] ** -0.5)
         out = torch.empty_like(q)
         for start, end in boundaries:
             qs = q[start:end].transpose(0, 1)  # [heads, len, d]
             ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
             vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(
-                0, 1
-            )
+            scores = qs @ ks.transpose(1, 2) * layer.scale  # [heads, len, len]
+            if layer.softcap is not None:
+                scores = torch.tanh(scores / layer.softcap) * layer.softcap
+            positions = torch.arange(end - start)
+            hidden = positions[None, :] > positions[:, None]
+            if layer.window is not None:
+                hidden |= positions[None, :] <= positions[:, None] - layer.window
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+            out[start:end] = (probs @ vs).transpose(0, 1)
         return out
 
     return attention

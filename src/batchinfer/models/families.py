@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from batchinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from batchinfer.models.llama import LlamaForCausalLM
 from batchinfer.models.phi3 import Phi3ForCausalLM
 from batchinfer.models.qwen3 import Qwen3ForCausalLM
@@ -13,6 +14,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

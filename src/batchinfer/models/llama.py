@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) as one readable module, and the
-layers the other families (`qwen3.py`, `phi3.py`, `gemma2.py`) build on.
+layers the other families (`qwen3.py`, `phi3.py`, `gemma.py`) build on.
 
 The model never does attention itself: `forward` takes an `attention(layer_idx, q, k, v)`
 callable from the runner, which owns the paged KV cache, the masks, the softmax scale and any
@@ -225,14 +225,17 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # a new tensor: layers update it in place
         return x.float()
 
+    def rotaries(self, positions: torch.Tensor) -> list[Rotary]:
+        """Each layer's RoPE for a step at `positions` (here one, shared by every layer)."""
+        dtype = self.embed_tokens.weight.dtype
+        return [Rotary(self.rope_cos, self.rope_sin, positions, dtype)] * len(self.layers)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
-        dtype = self.embed_tokens.weight.dtype
-        rotary = Rotary(self.rope_cos, self.rope_sin, positions, dtype)  # shared by layers
         x = self.embed(input_ids)
-        for layer in self.layers:
+        for layer, rotary in zip(self.layers, self.rotaries(positions), strict=True):
             x = layer(x, rotary, attention)
         return self.norm(x)
 

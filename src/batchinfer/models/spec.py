@@ -1,8 +1,9 @@
 """`ModelSpec`: the shape of a decoder-only model, read from a Hugging Face `config.json`.
 
-One spec covers every family served (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2): the fields
-all of them have, then the few that only some families set (a sliding window, an activation
-other than SiLU, Gemma 2's soft-capping and query scale). Which module computes the model is
+One spec covers every family served (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3): the
+fields all of them have, then the few that only some families set (a sliding window, an
+activation other than SiLU, Gemma's soft-capping, query scale and local RoPE base). Which
+module computes the model is
 chosen by `architecture` (`models/families.py`); the spec says only what the config says.
 Every bad or unsupported field is a `ValueError` naming the field and the file.
 """
@@ -19,7 +20,17 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+_GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# transformers' defaults for Gemma's fields, where a config leaves one out.
+_GEMMA_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "Gemma2ForCausalLM": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+                          "final_logit_softcapping": None},
+}
 # The MLP activations served (`hidden_act`, Gemma's `hidden_activation`).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # rope_scaling type -> the keys it needs ("default" means no scaling).
@@ -59,8 +70,10 @@ class ModelSpec:
     sees keys at positions `p - sliding_window + 1 .. p`), None for full attention everywhere;
     `full_attention_layers` are the layers that see the whole context even so (Gemma 2's global
     layers, Qwen2's first `max_window_layers`). `query_pre_attn_scalar`: the softmax scale is
-    its inverse square root instead of `head_dim`'s (Gemma 2). `attn_logit_softcapping` and
+    its inverse square root instead of `head_dim`'s (Gemma). `attn_logit_softcapping` and
     `final_logit_softcapping`: scores and logits pass through `cap * tanh(x / cap)` (Gemma 2).
+    `local_rope_theta`: the RoPE base of the sliding-window layers, where it is not
+    `rope_theta` (Gemma 3's `rope_local_base_freq`; `rope_scaling` is the global layers').
     """
 
     architecture: str
@@ -84,6 +97,7 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The attention window of layer `layer_idx` in tokens, or None for full attention."""
@@ -136,7 +150,8 @@ class ModelSpec:
         if head_dim % 2:
             raise ValueError(f"{source}: field 'head_dim' must be even, got {head_dim}")
         num_layers = integer("num_hidden_layers")
-        rope_theta, rope_scaling = _rope_fields(config, source, head_dim)
+        rope_config, local_rope_theta = _gemma3_rope(config, architecture, source)
+        rope_theta, rope_scaling = _rope_fields(rope_config, source, head_dim)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         llama_bias = bool(config.get("attention_bias", False)) and not is_qwen2
         window, full_layers = _sliding_window(config, architecture, num_layers, source)
@@ -159,7 +174,8 @@ class ModelSpec:
             sliding_window=window,
             full_attention_layers=full_layers,
             hidden_act=_activation(config, architecture, source),
-            **_gemma2_fields(config, architecture, source),
+            local_rope_theta=local_rope_theta,
+            **_gemma_fields(config, architecture, source),
         )
 
 
@@ -182,9 +198,9 @@ def _supported_architecture(config: dict[str, Any], source: str) -> str:
 
 
 def _activation(config: dict[str, Any], architecture: str, source: str) -> str:
-    # Gemma 2 names it `hidden_activation` (transformers reads only that one for Gemma 2).
-    name = "hidden_activation" if architecture == "Gemma2ForCausalLM" else "hidden_act"
-    default = "gelu_pytorch_tanh" if architecture == "Gemma2ForCausalLM" else "silu"
+    # Gemma names it `hidden_activation` (transformers reads only that one for Gemma 2 and 3).
+    name = "hidden_activation" if architecture in _GEMMAS else "hidden_act"
+    default = "gelu_pytorch_tanh" if architecture in _GEMMAS else "silu"
     activation = config.get(name) or default
     if activation not in ACTIVATIONS:
         raise ValueError(f"{source}: unsupported {name} {activation!r}; "
@@ -192,18 +208,39 @@ def _activation(config: dict[str, Any], architecture: str, source: str) -> str:
     return str(activation)
 
 
-def _gemma2_fields(config: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
-    """Gemma 2's query scale and soft-capping (empty for other families)."""
-    if architecture != "Gemma2ForCausalLM":
+def _gemma_fields(config: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
+    """Gemma's query scale and soft-capping (empty for other families)."""
+    if architecture not in _GEMMAS:
         return {}
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
     fields: dict[str, Any] = {}
-    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        value = config.get(name)
+    for name, default in _GEMMA_DEFAULTS[architecture].items():
+        value = config.get(name, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                   or value <= 0):
             raise ValueError(f"{source}: field {name!r} must be a positive number or null")
         fields[name] = None if value is None else float(value)
     return fields
+
+
+def _gemma3_rope(config: dict[str, Any], architecture: str, source: str
+                 ) -> tuple[dict[str, Any], float | None]:
+    """Gemma 3's two RoPEs: (the config with the global layers' RoPE fields, the local layers'
+    base), from transformers 5's `rope_parameters` per layer type or transformers 4's
+    `rope_theta` / `rope_scaling` (global) and `rope_local_base_freq` (local)."""
+    if architecture != "Gemma3ForCausalLM":
+        return config, None
+    params = config.get("rope_parameters") or {}
+    if "full_attention" not in params and "sliding_attention" not in params:
+        return config, float(config.get("rope_local_base_freq", 10000.0))
+    local = dict(params.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: rope_parameters.sliding_attention: only the default RoPE "
+                         f"is supported for the local layers, got {local['rope_type']!r}")
+    glob = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
+    return ({**config, "rope_parameters": glob},
+            float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0))))
 
 
 def _rope_fields(
@@ -252,8 +289,10 @@ def _sliding_window(
         return window, frozenset()
     layer_types = config.get("layer_types")
     if layer_types is None:  # transformers' defaults when the config does not list them
-        if architecture == "Gemma2ForCausalLM":  # local, global, local, ...
-            layer_types = [_LAYER_TYPES[i % 2] for i in range(num_layers)]
+        if architecture in _GEMMAS:  # Gemma 2: local, global, ...; Gemma 3: 5 local, 1 global
+            pattern = 2 if architecture == "Gemma2ForCausalLM" else int(
+                config.get("sliding_window_pattern", 6))
+            layer_types = [_LAYER_TYPES[int((i + 1) % pattern == 0)] for i in range(num_layers)]
         else:
             first = int(config.get("max_window_layers", 0) or 0)
             layer_types = [_LAYER_TYPES[int(i < first)] for i in range(num_layers)]
