@@ -63,6 +63,13 @@ CASES = {
     "phi3-longrope-long": Case("phi3", {"rope_scaling": longrope(64),
                                         "original_max_position_embeddings": 64},
                                min_len=70, max_len=120),
+    # YaRN (its original context 64 stretched 4x), and dynamic NTK within its context
+    "qwen3-yarn": Case("qwen3", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0}}),
+    "qwen3-dynamic": Case("qwen3", {"rope_parameters": {
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+                          llm={"max_model_len": 512}),
     # Gemma 2: local (window 12) and global layers, soft-caps small enough to bite
     "gemma2": Case("gemma2", {"sliding_window": 12, "attn_logit_softcapping": 2.0,
                               "final_logit_softcapping": 5.0}),
@@ -239,7 +246,8 @@ def test_phi3_loads_its_fused_checkpoint_as_it_is(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("rope", "message"), [
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
      r"rope_scaling \(longrope\) lacks short_factor"),  # Phi-3 reads yarn as LongRoPE
-    ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
+    ({"rope_type": "proportional", "factor": 2.0},
+     "unsupported rope_scaling type 'proportional'"),
     ({**longrope(64), "short_factor": [1.0] * 3}, "short_factor must be a list of"),
 ])
 def test_rope_scalings_not_served_are_refused_by_name(rope: dict[str, Any],
@@ -287,3 +295,22 @@ def test_gemma_fields_not_served_are_refused_by_name(fields: dict[str, Any],
     config = {**GEMMA_CONFIG, "architectures": ["Gemma3ForCausalLM"], **fields}
     with pytest.raises(ValueError, match=message):
         ModelSpec.from_hf_config(config, source="x/config.json")
+
+
+def test_dynamic_ntk_past_its_context_rotates_as_transformers_at_the_served_length(
+        tmp_path: Path) -> None:
+    """Past `max_position_embeddings` (64), dynamic NTK stretches its base for the context
+    served; transformers stretches it for each forward pass's length: at a sequence as long
+    as the served context (100) both are the same function."""
+    folder = make_tiny_llama(tmp_path, "qwen3", max_position_embeddings=64, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    loaded = load_model(str(folder), torch.float32, "cpu")
+    assert loaded.spec.max_context == 128
+    loaded.model.fit_context(100)
+    ids = [(7 * i) % 290 + 5 for i in range(100)]
+    layers = [loaded.spec.layer_attention(i) for i in range(loaded.spec.num_layers)]
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(100),
+                              dense_attention([(0, 100)], layers))
+        ours = loaded.model.compute_logits(hidden)
+    torch.testing.assert_close(ours, hf_logits(hf_model(folder), ids), atol=1e-4, rtol=1e-4)

@@ -89,14 +89,13 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     layer_class = Gemma3DecoderLayer
 
-    local_rope_cos: torch.Tensor  # [max_position_embeddings, head_dim // 2], a buffer
+    local_rope_cos: torch.Tensor  # [spec.max_context, head_dim // 2], a buffer
     local_rope_sin: torch.Tensor
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(spec)
         theta = spec.local_rope_theta if spec.local_rope_theta is not None else spec.rope_theta
-        cos, sin = rope_tables(spec.head_dim, theta, None, spec.max_position_embeddings,
-                               spec.max_position_embeddings)
+        cos, sin = rope_tables(spec.head_dim, theta, None, spec.max_context, spec.max_context)
         self.register_buffer("local_rope_cos", cos, persistent=False)
         self.register_buffer("local_rope_sin", sin, persistent=False)
 

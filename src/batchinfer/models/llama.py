@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
     # is fused already maps none).
     fused_projections: dict[str, tuple[str, ...]] = FUSED_PROJECTIONS
 
-    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim // 2] float32, a buffer
+    rope_cos: torch.Tensor  # [spec.max_context, head_dim // 2] float32, a buffer
     rope_sin: torch.Tensor  # same shape
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -200,19 +200,21 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
         cos, sin = rope_tables(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                               spec.max_position_embeddings, spec.max_position_embeddings)
+                               spec.max_context, spec.max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def fit_context(self, max_model_len: int) -> None:
         """Make the RoPE tables those of a server of sequences up to `max_model_len` tokens:
         LongRoPE (Phi-3) takes its short factors within its original context, else its long
-        ones (`rope.py`); other RoPE does not depend on it."""
+        ones, and dynamic NTK stretches its base past it (`rope.py`); other RoPE does not
+        depend on it."""
         spec = self.spec
-        if spec.rope_scaling is None or spec.rope_scaling["rope_type"] != "longrope":
+        if spec.rope_scaling is None or spec.rope_scaling["rope_type"] not in ("longrope",
+                                                                               "dynamic"):
             return
         cos, sin = rope_tables(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                               spec.max_position_embeddings, max_model_len)
+                               spec.max_context, max_model_len)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
 

@@ -39,6 +39,8 @@ ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "dynamic": ("factor", "max_position_embeddings"),
 }
 # Families whose config's `sliding_window` applies only with `use_sliding_window: true`.
 _OPT_IN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -109,6 +111,20 @@ class ModelSpec:
     def attention_scale(self) -> float:
         """The softmax scale: `1 / sqrt(query_pre_attn_scalar or head_dim)`."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model serves: `max_position_embeddings`, or the context
+        YaRN or dynamic NTK scaling stretches it to (`factor` times the original, as vLLM
+        takes it)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn":
+            stretched = int(scaling["factor"] * scaling["original_max_position_embeddings"])
+            return max(self.max_position_embeddings, stretched)
+        if scaling.get("rope_type") == "dynamic":
+            return max(self.max_position_embeddings,
+                       int(scaling["factor"] * self.max_position_embeddings))
+        return self.max_position_embeddings
 
     def layer_attention(self, layer_idx: int) -> LayerAttention:
         """How layer `layer_idx` attends (scale, window, soft-capping)."""
@@ -258,9 +274,12 @@ def _rope_fields(
                          f"supported: {', '.join(ROPE_SCALING_KEYS)}")
     if rope_type == "default":
         return theta, None
-    if rope_type == "longrope":  # Phi-3 keeps it beside rope_scaling, at the top level
-        params.setdefault("original_max_position_embeddings",
-                          config.get("original_max_position_embeddings"))
+    if rope_type in ("longrope", "yarn"):  # Phi-3 keeps it beside rope_scaling, at the top
+        params.setdefault("original_max_position_embeddings",  # level; YaRN's default is the
+                          config.get("original_max_position_embeddings")  # model's context
+                          or (config.get("max_position_embeddings") if rope_type == "yarn"
+                              else None))
+    if rope_type in ("longrope", "dynamic"):
         params.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
     missing = [name for name in ROPE_SCALING_KEYS[rope_type] if params.get(name) is None]
     if missing:

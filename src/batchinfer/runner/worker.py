@@ -367,9 +367,9 @@ def dummy_step(
 
 
 def model_max_len(spec: ModelSpec, wanted: int | None = None) -> int:
-    """The longest sequence the model can run: its positions, capped at `wanted` when given
-    and smaller."""
-    model_max = spec.max_position_embeddings
+    """The longest sequence the model can run: its positions (`ModelSpec.max_context`),
+    capped at `wanted` when given and smaller."""
+    model_max = spec.max_context
     return model_max if wanted is None else min(model_max, wanted)
 
 
