@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.models import ModelSpec, load_model
+from batchinfer.models.linear_kernels import KernelLinear
 from batchinfer.runner.native_decode import NativeDecoder
 from tests.tiny_models import dense_attention, make_tiny_llama, round_weights_like
 
@@ -77,12 +78,17 @@ CASES = {
                                    "query_pre_attn_scalar": 40}),
     # Gemma 3: q/k norms, local layers on their own RoPE base, global ones linearly scaled
     "gemma3": Case("gemma3", {"sliding_window": 12, **GEMMA3_LAYERS}),
+    # Qwen3-MoE: 8 experts, 2 per token; then 3 per token renormalized, layer 0 dense
+    "qwen3-moe": Case("qwen3_moe"),
+    "qwen3-moe-norm-dense-layer": Case("qwen3_moe", {"norm_topk_prob": True,
+                                                     "num_experts_per_tok": 3,
+                                                     "mlp_only_layers": [0]}),
 }
 # Step budgets: whole prompts in one step, and chunked prefill (prompts cut into 16-token
 # chunks, batched with other sequences' decodes).
 BUDGETS = {"whole": 2048, "chunked": 16}
 # One case per family for quantized weights (each is a few engines).
-QUANTIZED_CASES = ["qwen3", "phi3-longrope-short", "gemma3"]
+QUANTIZED_CASES = ["qwen3", "phi3-longrope-short", "gemma3", "qwen3-moe"]
 NUM_TOP = 5
 
 
@@ -183,8 +189,10 @@ def test_quantized_weights_give_the_tokens_of_the_rounded_model(
         llm = LLM(str(folder), dtype="float32", kv_cache_memory=32 << 20,
                   quantization=quantization, linear_kernels=f"{quantization}_native",
                   max_num_batched_tokens=16, **CASES[case].llm)
-        layer = llm.engine.worker.loaded.model.layers[0].self_attn.qkv_proj
-        assert set(layer.kernels) == {f"{quantization}_native"}
+        linears = {name: module for name, module in llm.engine.worker.model.named_modules()
+                   if isinstance(module, KernelLinear) and name != "lm_head"}
+        assert all(set(m.kernels) == {f"{quantization}_native"} for m in linears.values())
+        assert ("layers.1.mlp.experts.7.down_proj" in linears) == ("moe" in case)
         check_generate(llm, hf_model(rounded), random_prompts(3, seed=3, case=case),
                        max_tokens=8, atol=2e-2)
 
@@ -216,10 +224,10 @@ def test_native_decode_steps_refuse_sliding_windows(tmp_path: Path) -> None:
 def test_unknown_architecture_names_it_and_lists_the_supported(tmp_path: Path) -> None:
     folder = make_case(tmp_path, "qwen3")
     config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'Qwen3MoeForCausalLM'; "
-                                         r"supported: LlamaForCausalLM, .*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match=r"unsupported architecture 'DeepseekV3ForCausalLM'; "
+                                         r"supported: LlamaForCausalLM, .*Qwen3MoeForCausalLM"):
         load_model(str(folder), torch.float32, "cpu")
 
 

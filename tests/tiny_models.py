@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from batchinfer.models import AttentionFn
@@ -59,7 +60,7 @@ _CORPUS = [
 
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
             "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma2": Gemma2Config,
-            "gemma3": Gemma3TextConfig}
+            "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
 def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -116,6 +117,8 @@ def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
         params["pad_token_id"] = 0
     if arch in ("gemma2", "gemma3"):  # Gemma's defaults are a real model's: made tiny here
         params.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=4096, pad_token_id=0)
+    if arch == "qwen3_moe":  # 8 experts of 32, two per token
+        params.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     params.update(overrides)
     config = _CONFIGS[arch](**params)
     torch.manual_seed(seed)

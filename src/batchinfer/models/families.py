@@ -6,6 +6,7 @@ from batchinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from batchinfer.models.llama import LlamaForCausalLM
 from batchinfer.models.phi3 import Phi3ForCausalLM
 from batchinfer.models.qwen3 import Qwen3ForCausalLM
+from batchinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 from batchinfer.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

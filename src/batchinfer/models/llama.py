@@ -126,10 +126,11 @@ class MLP(nn.Module):
     """`down_proj(act(gate_proj(x)) * up_proj(x))`: SwiGLU (`silu`) or GeGLU
     (`gelu_pytorch_tanh`), as `spec.hidden_act` says."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        size = intermediate_size or spec.intermediate_size  # an expert's, in a MoE
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=False)
         self.activation = spec.hidden_act
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 _GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' defaults for Gemma's fields, where a config leaves one out.
@@ -43,11 +44,25 @@ ROPE_SCALING_KEYS = {
     "dynamic": ("factor", "max_position_embeddings"),
 }
 # Families whose config's `sliding_window` applies only with `use_sliding_window: true`.
-_OPT_IN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_OPT_IN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Families whose every layer takes the config's `sliding_window` (`layer_types` ignored, as
 # transformers ignores it for them).
 _EVERY_LAYER_WINDOWS = ("MistralForCausalLM", "Phi3ForCausalLM")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A mixture of experts in place of the MLP of `layers`: `num_experts` MLPs of
+    `intermediate_size`, `num_experts_per_tok` of them per token, weighted by the softmax of
+    the router's scores over all experts (renormalized over the chosen ones where
+    `norm_topk_prob`)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: frozenset[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +91,8 @@ class ModelSpec:
     `final_logit_softcapping`: scores and logits pass through `cap * tanh(x / cap)` (Gemma 2).
     `local_rope_theta`: the RoPE base of the sliding-window layers, where it is not
     `rope_theta` (Gemma 3's `rope_local_base_freq`; `rope_scaling` is the global layers').
+    `moe`: the mixture of experts of the layers that have one (Qwen3-MoE), None for a dense
+    model.
     """
 
     architecture: str
@@ -100,6 +117,7 @@ class ModelSpec:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
+    moe: MoESpec | None = field(default=None, hash=False)
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The attention window of layer `layer_idx` in tokens, or None for full attention."""
@@ -191,6 +209,7 @@ class ModelSpec:
             full_attention_layers=full_layers,
             hidden_act=_activation(config, architecture, source),
             local_rope_theta=local_rope_theta,
+            moe=_moe(config, architecture, num_layers, source),
             **_gemma_fields(config, architecture, source),
         )
 
@@ -222,6 +241,34 @@ def _activation(config: dict[str, Any], architecture: str, source: str) -> str:
         raise ValueError(f"{source}: unsupported {name} {activation!r}; "
                          f"supported: {', '.join(ACTIVATIONS)}")
     return str(activation)
+
+
+def _moe(config: dict[str, Any], architecture: str, num_layers: int, source: str
+         ) -> MoESpec | None:
+    """Qwen3-MoE's experts: `num_experts` (transformers 5: `num_local_experts`) of
+    `moe_intermediate_size`, in every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+
+    def positive(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{source}: field {name!r} must be a positive integer")
+        return value
+
+    num_experts = positive("num_experts",
+                           config.get("num_experts") or config.get("num_local_experts"))
+    per_token = positive("num_experts_per_tok", config.get("num_experts_per_tok"))
+    if per_token > num_experts:
+        raise ValueError(f"{source}: num_experts_per_tok ({per_token}) exceeds num_experts "
+                         f"({num_experts})")
+    step = positive("decoder_sparse_step", config.get("decoder_sparse_step", 1))
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ValueError(f"{source}: field 'mlp_only_layers' must list layer numbers")
+    layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoESpec(num_experts, per_token,
+                   positive("moe_intermediate_size", config.get("moe_intermediate_size")),
+                   bool(config.get("norm_topk_prob", False)), layers)
 
 
 def _gemma_fields(config: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
