@@ -15,6 +15,7 @@ mapping, permutation or RoPE changes the logits well beyond float32 noise.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,17 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# What llama.cpp's converter names differently per family (the HF family of make_tiny_llama),
+# and its GGUF architecture name.
+_GGUF_FAMILY_NAMES = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma2": {"post_attention_layernorm": "attn_post_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "qwen3_moe": {"mlp.gate": "ffn_gate_inp"},
+}
+_GGUF_FAMILY_NAMES["gemma3"] = _GGUF_FAMILY_NAMES["gemma2"]
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -196,19 +208,21 @@ def make_tiny_gguf(
     tmp_path: Path, seed: int = 0, rope_freqs: np.ndarray | None = None, arch: str = "llama",
     **overrides: Any
 ) -> tuple[Path, Path]:
-    """A tiny `arch` ("llama" | "qwen3") model written as a GGUF the way llama.cpp's converter
-    does; (gguf, HF folder).
+    """A tiny `arch` (a family of `make_tiny_llama`) model written as a GGUF the way
+    llama.cpp's converter does; (gguf, HF folder).
 
-    Tensors are float32 except `blk.*.ffn_down`, stored as Q8_0 (so those differ from the HF
-    folder by the Q8_0 rounding); a Llama's Q/K rows are permuted as llama.cpp permutes them.
-    The tokenizer is stored as llama.cpp's "gpt2" BPE metadata, with the ChatML chat template.
-    `rope_freqs` adds llama.cpp's Llama-3 `rope_freqs.weight`.
+    Tensors are float32 except `blk.*.ffn_down` (and a MoE's `ffn_down_exps`), stored as Q8_0
+    (so those differ from the HF folder by the Q8_0 rounding); a Llama's Q/K rows are permuted
+    as llama.cpp permutes them, Gemma's norm weights stored plus one, a MoE layer's experts
+    stacked into one 3-D tensor per projection. The tokenizer is stored as llama.cpp's "gpt2"
+    BPE metadata, with the ChatML chat template. `rope_freqs` adds llama.cpp's Llama-3
+    `rope_freqs.weight`.
     """
     folder = make_tiny_llama(tmp_path, arch, seed=seed, **overrides)
     config = json.loads((folder / "config.json").read_text())
     tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
     path = tmp_path / f"tiny-{arch}.gguf"
-    writer = gguf.GGUFWriter(path, arch=arch)
+    writer = gguf.GGUFWriter(path, arch=_GGUF_ARCH.get(arch, arch))
     writer.add_name(f"tiny {arch}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -216,14 +230,22 @@ def make_tiny_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    _add_family_keys(writer, arch, config)
     _add_tokenizer(writer, tokenizer_json)
-    for name, tensor in load_file(folder / "model.safetensors").items():
-        _add_tensor(writer, name, tensor.numpy(), config, permute=arch == "llama")
+    tensors = load_file(folder / "model.safetensors")
+    for name, tensor in _stack_experts(tensors).items():
+        weight = tensor.numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            weight = weight + 1.0  # as llama.cpp's Gemma converter stores the norms
+        _add_tensor(writer, name, weight, config, permute=arch == "llama",
+                    names={**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_NAMES.get(arch, {})})
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
@@ -231,6 +253,51 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path, folder
+
+
+def _add_family_keys(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
+    """The keys llama.cpp's converter writes for this family alone."""
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
+    if arch.startswith("gemma"):  # Gemma's GGUFs name an unknown token (its tokenizer needs one)
+        writer.add_unk_token_id(0)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    scaling = config.get("rope_parameters") or {}
+    if arch == "phi3" and scaling.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 does
+        original = config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for name in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{name}.weight",
+                              np.array(scaling[f"{name}_factor"], dtype=np.float32))
+    if arch == "qwen3_moe":
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A MoE layer's `mlp.experts.E.{gate,up,down}_proj.weight` stacked into one
+    `[experts, out, in]` tensor each, named `mlp.experts.{gate,up,down}_exps.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            stacked = ".".join([*parts[:at], "experts", parts[at + 2].replace("proj", "exps"),
+                                parts[-1]])
+            experts.setdefault(stacked, []).append((int(parts[at + 1]), tensor))
+        else:
+            out[name] = tensor
+    for name, members in experts.items():
+        out[name] = torch.stack([t for _, t in sorted(members, key=lambda m: m[0])])
+    return out
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: dict[str, Any]) -> None:
@@ -253,7 +320,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: dict[str, Any]) -> N
 
 def _add_tensor(
     writer: gguf.GGUFWriter, hf_name: str, weight: np.ndarray, config: dict[str, Any],
-    permute: bool,
+    permute: bool, names: dict[str, str] = _GGUF_LAYER_NAMES,
 ) -> None:
     if hf_name == "model.embed_tokens.weight":
         name = "token_embd.weight"
@@ -264,12 +331,14 @@ def _add_tensor(
     else:
         _, _, layer, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+        short = ("ffn_" + module.rpartition(".")[2] if module.startswith("mlp.experts.")
+                 else names[module])
+        name = f"blk.{layer}.{short}.{kind}"
     if permute and ".attn_q." in name:
         weight = llama_cpp_permute(weight, config["num_attention_heads"])
     elif permute and ".attn_k." in name:
         weight = llama_cpp_permute(weight, config["num_key_value_heads"])
-    if ".ffn_down." in name:
+    if ".ffn_down." in name or ".ffn_down_exps." in name:
         qtype = gguf.GGMLQuantizationType.Q8_0
         writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
     else:
