@@ -2,7 +2,7 @@
 attention: decodes, first chunks longer than the window, chunks after a cached prefix, and
 sequences whose blocks before the window were dropped (filled with NaN here: a backend that
 read one would answer NaN). The triton backend runs under Triton's interpreter
-(`TRITON_INTERPRET=1`), where triton is installed."""
+(`TRITON_INTERPRET=1`, set by tests/conftest.py without a GPU), where triton is installed."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import dataclasses
 import math
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton sees a kernel
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from batchinfer.core.outputs import ScheduledSequence  # noqa: E402
-from batchinfer.core.sampling_params import SamplingParams  # noqa: E402
-from batchinfer.models.spec import LayerAttention  # noqa: E402
-from batchinfer.runner.attention import select_attention_backend  # noqa: E402
-from batchinfer.runner.backends.triton import supports_triton  # noqa: E402
-from tests.test_runner_attention import CPU, Case, Spec, _step, make_case  # noqa: E402
+from batchinfer.core.outputs import ScheduledSequence
+from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.models.spec import LayerAttention
+from batchinfer.runner.attention import select_attention_backend
+from batchinfer.runner.backends.triton import supports_triton
+from tests.test_runner_attention import CPU, Case, Spec, _step, make_case
 
 # (num_computed_tokens, num_new_tokens): decodes short of, at and far past the window, first
 # chunks shorter and longer than it, later chunks whose window starts inside the cached prefix.
