@@ -49,6 +49,7 @@ class FakeWorker:
     num_swap_blocks: int = 0
     preemption_costs: PreemptionCosts | None = None
     structured_outputs: None = None
+    kv_window: int | None = None
 
 
 class RecordingRunner(FakeRunner):

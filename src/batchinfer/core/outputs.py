@@ -27,6 +27,9 @@ class ScheduledSequence:
     Invariant: `token_ids` are the sequence's tokens at positions
     `[num_computed_tokens, num_computed_tokens + len(token_ids))`, and `block_table` holds enough
     blocks for all of them. `all_token_ids` (prompt + output so far) is what penalties look at.
+    `block_table[0]` is the sequence's block number `num_dropped_blocks`: the blocks before it
+    lay wholly outside every layer's sliding window and were freed (the model reads no key
+    there).
     """
 
     request_id: str
@@ -43,6 +46,7 @@ class ScheduledSequence:
     # the runner derives this step's random stream from (seed, sample_index), so a preempted and
     # recomputed request, or one batched with others, draws the same numbers.
     sample_index: int = 0
+    num_dropped_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

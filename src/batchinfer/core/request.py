@@ -159,6 +159,9 @@ class Request:
     # Swapped out: the host blocks holding the KV of its first `num_computed_tokens` tokens,
     # copied back into device blocks when it resumes (empty: nothing swapped).
     swap_blocks: list[int] = field(default_factory=list)
+    # The block number `swap_blocks[0]` holds (those before it were dropped outside the
+    # sliding window before it was swapped out).
+    swap_first_block: int = 0
     wait_start_s: float = field(init=False)
     metrics: RequestMetrics = field(init=False)
 

@@ -21,6 +21,7 @@ import torch
 
 from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchinfer.models.linear_kernels import BUCKET_NAMES
+from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.attention import select_attention_backend
 from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 from batchinfer.runner.kv_cache import KVCacheSpec
@@ -88,6 +89,8 @@ class ModelRunner:
         self.attention = select_attention_backend(self.device, kv_dtype, attention_backend,
                                                   calculate_kv_scales)
         self.attention.allocate_kv_cache(spec, num_blocks, block_size)
+        if isinstance(spec, ModelSpec):  # its layers' scale, windows and soft-capping
+            self.attention.set_layers([spec.layer_attention(i) for i in range(spec.num_layers)])
         if num_swap_blocks:
             self.attention.allocate_swap_space(num_swap_blocks)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
