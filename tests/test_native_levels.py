@@ -1,6 +1,6 @@
 """Each instruction-set level's kernels against the portable level's, entry point by entry
 point (`native_levels_check.c`: products, cache widening, SiLU, packed attention, decode
-steps): the levels this CPU runs, natively; the Arm NEON level (`native/kernels/neon.h`) on an
+steps; 8-bit-input products against a scalar reference of their rounding): the levels this CPU runs, natively; the Arm NEON level (`native/kernels/neon.h`) on an
 x86 machine, where the Debian cross-compiler builds the `neon` and `portable` levels for
 64-bit Arm with the flags the loader gives them and `qemu-user` runs the comparison.
 Correctness only: qemu's timings say nothing about an Arm CPU's. The Arm checks are skipped,
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer import native
+from batchinfer.core.cpu import cpu_flags
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
@@ -77,14 +78,23 @@ def test_each_level_this_cpu_runs_matches_the_portable_one(level, tmp_path):
     assert result.stdout.startswith(f"levels {level} portable"), result.stdout + result.stderr
     failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
     assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
-    _assert_every_check_ran(result.stdout)
+    _assert_every_check_ran(result.stdout,
+                            act8=level == "avx2" or "avx512_vnni" in cpu_flags())
 
 
-def _assert_every_check_ran(stdout: str) -> None:
+def _assert_every_check_ran(stdout: str, act8: bool) -> None:
+    """Every check the program lists ran and passed; `act8`: with the level's 8-bit products
+    (else the 16-bit ones where 8-bit ones are asked for)."""
+    assert f"act8 {int(act8)}" in stdout.splitlines()
     passed = {line[3:] for line in stdout.splitlines() if line.startswith("ok ")}
     for kind in ("f32", "q4", "q8"):
         assert sum(name.startswith(f"linear {kind} ") for name in passed) >= 15, kind
         assert f"decode {kind} weights, f16 cache, threads=3" in passed
+    for kind in ("q4", "q8"):
+        eight = {name for name in passed
+                 if name.startswith(f"linear8 {kind} ") and "(16-bit)" not in name}
+        assert len(eight) >= (90 if act8 else 0), kind
+        assert f"decode8 {kind} weights, threads=2" in passed
     for kv_type in ("f32", "f16", "bf16", "e4m3", "e5m2"):
         assert f"kv_load {kv_type}" in passed
     assert "packed_attention d=64 causal" in passed
@@ -103,7 +113,7 @@ def test_neon_kernels_match_the_portable_ones_under_qemu(tmp_path):
     assert lines and lines[0] == "levels neon portable", result.stdout + result.stderr
     failures = [line for line in lines if line.startswith("FAIL")]
     assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
-    _assert_every_check_ran(result.stdout)
+    _assert_every_check_ran(result.stdout, act8=False)
 
 
 def test_the_comparison_catches_a_wrong_kernel(tmp_path):

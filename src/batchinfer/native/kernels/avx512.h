@@ -466,17 +466,6 @@ held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const 
                      _mm512_load_ps(acc + (r * HELD_TILES + t) * TILE_Q), bias, accumulate);
     }
 }
-
-static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, const float *xs,
-                        const float *xsum, int rows, float *y, int64_t ldy, int accumulate) {
-#define HELD8(Q, N) held_tiles8_kind(l, Q, tile, N, xq, xs, xsum, rows, y, ldy, accumulate)
-    const int q4 = l->kind == BI_Q4;
-    if (T == 4) { if (q4) HELD8(1, 4); else HELD8(0, 4); }
-    else if (T == 3) { if (q4) HELD8(1, 3); else HELD8(0, 3); }
-    else if (T == 2) { if (q4) HELD8(1, 2); else HELD8(0, 2); }
-    else { if (q4) HELD8(1, 1); else HELD8(0, 1); }
-#undef HELD8
-}
 #endif
 
 /* e^x, relative error ~1e-7 (x clamped to [-87, 88]): 2^(x log2 e) split into an integer

@@ -31,7 +31,11 @@
  * cpu_kernels.c after this header (all `static`, so each build holds one level):
  *   BI_ISA_NAME                  the level's name (`bi_isa()`);
  *   BI_HELD16, held_tiles16_kind 1 where the level has held-weight kernels for many rows;
- *   BI_ACT8, quantize_groups8, held_tiles8   1 where it has 8-bit-input products;
+ *   BI_ACT8, quantize_groups8, held_tiles8_kind
+ *                                1 where it has 8-bit-input products (the inputs rounded by
+ *                                their group's largest |x| / 127 to nearest: the same integers
+ *                                at every level; `flip`, set for q8 weights, lets a level
+ *                                store them in its own form);
  *   BI_FIXED_KV, block_scores_fixed, block_values_fixed   1 where the decode attention reads
  *                                keys and values in place for head sizes 64 and 128;
  *   quantize_groups              a row's groups of 32 into 16-bit integers, scales and sums;
