@@ -7,7 +7,7 @@
 #define BI_HELD16 1
 #define BI_FIXED_KV 1
 #define BI_PACKED_FAST 1
-#define BI_SOFTMAX_FAST 0
+#define BI_SOFTMAX_FAST 1
 #define BI_GELU_FAST 1
 #define BI_ACT8 1
 
@@ -733,6 +733,34 @@ BI_INLINE int64_t gelu_span(float *x, int64_t i, int64_t end) {
 }
 
 /* ---- the packed attention (see cpu_kernels.c): the AVX-512 kernels 8 lanes wide -------- */
+
+/* One softmax row of the packed attention: exp(s - max) over its n scores (the last few
+ * under a mask, the scores past them left as they are); *inv = 1 / sum. */
+BI_INLINE int softmax_row_fast(float *s, int n, float *inv) {
+    const int tail = n % 8, whole = n - tail;
+    const __m256i mask = tail_mask8(tail);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < whole; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    if (tail)  /* the lanes past n keep -inf */
+        m = _mm256_max_ps(m, _mm256_blendv_ps(m, _mm256_maskload_ps(s + whole, mask),
+                                              _mm256_castsi256_ps(mask)));
+    const __m256 mv = _mm256_set1_ps(hmax8(m));
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < whole; j += 8) {
+        const __m256 p = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    if (tail) {
+        const __m256 p = _mm256_and_ps(
+            exp8_ps(_mm256_sub_ps(_mm256_maskload_ps(s + whole, mask), mv)),
+            _mm256_castsi256_ps(mask));
+        _mm256_maskstore_ps(s + whole, mask, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    *inv = 1.f / hsum8(acc);
+    return 1;
+}
 
 /* scores[r][j] = q_r . kt[:, j] for r < R, j < n rounded up to 8 (kt: `[D][ldk]`, zero past
  * n): 24 keys a pass for 4 rows (12 accumulators, three key vectors and a broadcast fill the
