@@ -1,10 +1,12 @@
 /* Checks one build of the native kernels against another (the portable level), entry point by
  * entry point, on random inputs at odd shapes: the linears (float32, q4, q8; 1-70 rows, 1-3
- * threads, bias, accumulation), the cache widening, SiLU, the packed attention and whole decode
- * steps over two cache types; and a level's 8-bit-input products (`bi_linear_forward8`, 3-130
+ * threads, bias, accumulation), the cache widening, SiLU, GELU, the packed attention (1-130
+ * tokens, head sizes 16-128) and whole decode steps (every weight kind; every cache type at
+ * head sizes 64 and 128); and a level's 8-bit-input products (`bi_linear_forward8`, 3-130
  * rows) against this file's own scalar reference of their rounding, and its decode steps with
- * 8-bit inputs against the portable 16-bit ones to within that rounding's error. tests/test_native_levels.py builds both libraries and this
- * program and runs it: natively for the levels this CPU runs, under qemu-user for Arm NEON.
+ * 8-bit inputs against the portable 16-bit ones to within that rounding's error.
+ * tests/test_native_levels.py builds both libraries and this program and runs it: natively
+ * for the levels this CPU runs, under qemu-user for Arm NEON.
  *
  *   native_levels_check LEVEL.so PORTABLE.so    prints "ok NAME" per check; exit 1 on a mismatch
  */
@@ -30,6 +32,7 @@ typedef void (*decode_fn)(const bi_model *, int, const int64_t *, const int64_t 
                           float *, float *, int);
 typedef const char *(*isa_fn)(void);
 typedef int (*flag_fn)(void);
+typedef void (*gelu_fn)(float *, int64_t, int);
 
 typedef struct {
     linear_fn linear;
@@ -42,6 +45,7 @@ typedef struct {
     isa_fn isa;
     linear_fn linear8;
     flag_fn act8;
+    gelu_fn gelu;
 } kernels;
 
 static int failures = 0;
@@ -66,7 +70,7 @@ static kernels open_kernels(const char *path) {
                  (packed_fn)must(lib, "bi_packed_attention"),
                  (work_fn)must(lib, "bi_work_floats"), (decode_fn)must(lib, "bi_decode"),
                  (isa_fn)must(lib, "bi_isa"), (linear_fn)must(lib, "bi_linear_forward8"),
-                 (flag_fn)must(lib, "bi_act8")};
+                 (flag_fn)must(lib, "bi_act8"), (gelu_fn)must(lib, "bi_gelu")};
     return k;
 }
 
@@ -133,7 +137,8 @@ static int packed_weight(const bi_linear *l, int j, int i) {
     const int64_t at = (int64_t)(j / TILE_Q) * (l->k / GROUP) + i / GROUP;
     const int jj = j % TILE_Q, c = i % GROUP;
     if (l->kind == BI_Q4) {  /* chunk c % 16 / 2 holds inputs c (low nibble) and c + 16 (high) */
-        const uint8_t b = ((const uint8_t *)l->weight)[at * 256 + 32 * (c % 16 / 2) + 2 * jj + c % 2];
+        const uint8_t *chunk = (const uint8_t *)l->weight + at * 256 + 32 * (c % 16 / 2);
+        const uint8_t b = chunk[2 * jj + c % 2];
         return c < 16 ? b & 15 : b >> 4;
     }
     return ((const int8_t *)l->weight)[at * 512 + 32 * (c / 2) + 2 * jj + c % 2];
@@ -256,23 +261,44 @@ static void check_elementwise(kernels a, kernels b) {
         compare(name, y0, y1, (int64_t)rows * inter, 1e-5f);
         free(gu); free(y0); free(y1);
     }
+    for (int64_t n = 13; n <= 4 * 4096 + 37; n += 4 * 4096 + 24) {  /* one chunk; five, threaded */
+        float *y0 = random_floats(n, 6.f), *y1 = malloc(sizeof(float) * n);
+        memcpy(y1, y0, sizeof(float) * n);
+        a.gelu(y0, n, 2);
+        b.gelu(y1, n, 2);
+        char name[64];
+        snprintf(name, sizeof name, "gelu n=%lld", (long long)n);
+        compare(name, y0, y1, n, 1e-6f);
+        free(y0); free(y1);
+    }
 }
 
+/* Sentences of 1 to 130 tokens (query rows in fours and a remainder, keys in sixteens and a
+ * remainder), with a gap before one of them, at head sizes with and without vector forms. */
 static void check_packed_attention(kernels a, kernels b) {
-    const int64_t lengths[] = {1, 7, 33, 18}, starts[] = {0, 1, 8, 41};
-    const int seqs = 4, total = 59, heads = 4, kv_heads = 2;
-    for (int d = 16; d <= 64; d *= 2)
+    enum { seqs = 9 };
+    const int64_t lengths[seqs] = {1, 7, 33, 18, 64, 130, 3, 65, 4};
+    int64_t starts[seqs];
+    int total = 0;
+    for (int s = 0; s < seqs; s++) {
+        total += s == 3;  /* a row no sentence holds */
+        starts[s] = total;
+        total += (int)lengths[s];
+    }
+    const int heads = 4, kv_heads = 2, dims[] = {16, 24, 32, 64, 128};
+    for (int di = 0; di < 5; di++)
         for (int causal = 0; causal < 2; causal++) {
+            const int d = dims[di];
             float *q = random_floats((int64_t)total * heads * d, 1.f);
             float *k = random_floats((int64_t)total * kv_heads * d, 1.f);
             float *v = random_floats((int64_t)total * kv_heads * d, 1.f);
             float *o0 = calloc((size_t)total * heads * d, sizeof(float));
             float *o1 = calloc((size_t)total * heads * d, sizeof(float));
             const float scale = 1.f / sqrtf((float)d);
-            a.packed(seqs, starts, lengths, 33, heads, kv_heads, d, q, heads * d, k, kv_heads * d,
-                     v, kv_heads * d, o0, heads * d, scale, causal, 2);
-            b.packed(seqs, starts, lengths, 33, heads, kv_heads, d, q, heads * d, k, kv_heads * d,
-                     v, kv_heads * d, o1, heads * d, scale, causal, 2);
+            a.packed(seqs, starts, lengths, 130, heads, kv_heads, d, q, heads * d, k,
+                     kv_heads * d, v, kv_heads * d, o0, heads * d, scale, causal, 2);
+            b.packed(seqs, starts, lengths, 130, heads, kv_heads, d, q, heads * d, k,
+                     kv_heads * d, v, kv_heads * d, o1, heads * d, scale, causal, 2);
             char name[64];
             snprintf(name, sizeof name, "packed_attention d=%d%s", d, causal ? " causal" : "");
             compare(name, o0, o1, (int64_t)total * heads * d, 1e-5f);
@@ -288,11 +314,12 @@ typedef struct {
     int64_t cache_bytes;
 } tiny_model;
 
-static tiny_model tiny(int kind, int kv_type, int num_blocks, kernels ref) {
+static tiny_model tiny(int kind, int kv_type, int head_dim, int num_blocks, kernels ref) {
     tiny_model t;
     memset(&t, 0, sizeof t);
     bi_model *m = &t.m;
-    m->num_layers = 2; m->hidden = 64; m->num_heads = 4; m->num_kv_heads = 2; m->head_dim = 32;
+    m->num_layers = 2; m->hidden = 64; m->num_heads = 4; m->num_kv_heads = 2;
+    m->head_dim = head_dim;
     m->intermediate = 96; m->vocab = 80; m->block_size = 16; m->eps = 1e-5f;
     m->kv_type = kv_type; m->num_blocks = num_blocks;
     const int max_positions = 128, half = m->head_dim / 2;
@@ -329,42 +356,55 @@ static tiny_model tiny(int kind, int kv_type, int num_blocks, kernels ref) {
     return t;
 }
 
+/* Three sequences of 5, 17 and 40 tokens (blocks [0], [1, 2], [3, 4, 5]) decoded by both
+ * libraries, each on its own copy of the cache. */
+static void decode_case(kernels a, kernels b, int kind, int kv_type, int head_dim, int threads,
+                        const char *name) {
+    tiny_model t = tiny(kind, kv_type, head_dim, 8, b);
+    t.m.layers = t.layers;  /* this copy's own layers */
+    void *cache = t.m.kv_cache, *copy = malloc((size_t)t.cache_bytes);
+    memcpy(copy, cache, (size_t)t.cache_bytes);
+    const int rows = 3;
+    const int64_t tokens[] = {3, 41, 77}, context[] = {5, 17, 40};
+    const int64_t block_ids[] = {0, 1, 2, 3, 4, 5}, block_starts[] = {0, 1, 3};
+    int64_t positions[3], slots[3];
+    for (int r = 0; r < rows; r++) {
+        positions[r] = context[r] - 1;
+        slots[r] = block_ids[block_starts[r] + positions[r] / 16] * 16 + positions[r] % 16;
+    }
+    float *l0 = malloc(sizeof(float) * rows * t.m.vocab);
+    float *l1 = malloc(sizeof(float) * rows * t.m.vocab);
+    float *w0 = malloc(sizeof(float) * a.work(&t.m, rows, threads));
+    float *w1 = malloc(sizeof(float) * b.work(&t.m, rows, threads));
+    t.m.kv_cache = cache;
+    a.decode(&t.m, rows, tokens, positions, slots, context, block_ids, block_starts, w0, l0,
+             threads);
+    t.m.kv_cache = copy;
+    b.decode(&t.m, rows, tokens, positions, slots, context, block_ids, block_starts, w1, l1,
+             threads);
+    compare(name, l0, l1, (int64_t)rows * t.m.vocab, 1e-4f);
+    free(l0); free(l1); free(w0); free(w1); free(cache); free(copy);
+}
+
+/* Decode steps of every weight kind over float32 and float16 caches (head size 32), and of q4
+ * weights over every cache type at head sizes 64 and 128 (the attention's fixed-size
+ * kernels). */
 static void check_decode(kernels a, kernels b) {
-    const int kinds[] = {BI_F32, BI_Q4, BI_Q8}, kv_types[] = {BI_KV_F32, BI_KV_F16};
-    const char *names[] = {"f32", "q4", "q8"}, *kv_names[] = {"f32", "f16"};
-    for (int ki = 0; ki < 3; ki++)
-        for (int ti = 0; ti < 2; ti++) {
-            tiny_model t = tiny(kinds[ki], kv_types[ti], 8, b);
-            t.m.layers = t.layers;  /* this copy's own layers */
-            void *cache = t.m.kv_cache, *copy = malloc((size_t)t.cache_bytes);
-            memcpy(copy, cache, (size_t)t.cache_bytes);
-            /* three sequences of 5, 17 and 40 tokens: blocks [0], [1, 2], [3, 4, 5] */
-            const int rows = 3;
-            const int64_t tokens[] = {3, 41, 77}, context[] = {5, 17, 40};
-            const int64_t block_ids[] = {0, 1, 2, 3, 4, 5}, block_starts[] = {0, 1, 3};
-            int64_t positions[3], slots[3];
-            for (int r = 0; r < rows; r++) {
-                positions[r] = context[r] - 1;
-                slots[r] = block_ids[block_starts[r] + positions[r] / 16] * 16 + positions[r] % 16;
-            }
+    const char *names[] = {"f32", "q4", "q8"};
+    const char *kv_names[] = {"f32", "f16", "bf16", "e4m3", "e5m2"};
+    char name[80];
+    for (int kind = BI_F32; kind <= BI_Q8; kind++)
+        for (int kv_type = BI_KV_F32; kv_type <= BI_KV_F16; kv_type++)
             for (int threads = 1; threads <= 3; threads += 2) {
-                float *l0 = malloc(sizeof(float) * rows * t.m.vocab);
-                float *l1 = malloc(sizeof(float) * rows * t.m.vocab);
-                float *w0 = malloc(sizeof(float) * a.work(&t.m, rows, threads));
-                float *w1 = malloc(sizeof(float) * b.work(&t.m, rows, threads));
-                t.m.kv_cache = cache;
-                a.decode(&t.m, rows, tokens, positions, slots, context, block_ids, block_starts,
-                         w0, l0, threads);
-                t.m.kv_cache = copy;
-                b.decode(&t.m, rows, tokens, positions, slots, context, block_ids, block_starts,
-                         w1, l1, threads);
-                char name[80];
                 snprintf(name, sizeof name, "decode %s weights, %s cache, threads=%d",
-                         names[ki], kv_names[ti], threads);
-                compare(name, l0, l1, (int64_t)rows * t.m.vocab, 1e-4f);
-                free(l0); free(l1); free(w0); free(w1);
+                         names[kind], kv_names[kv_type], threads);
+                decode_case(a, b, kind, kv_type, 32, threads, name);
             }
-            free(copy);
+    for (int head_dim = 64; head_dim <= 128; head_dim *= 2)
+        for (int kv_type = BI_KV_F32; kv_type <= BI_KV_E5M2; kv_type++) {
+            snprintf(name, sizeof name, "decode head=%d q4 weights, %s cache, threads=2",
+                     head_dim, kv_names[kv_type]);
+            decode_case(a, b, BI_Q4, kv_type, head_dim, 2, name);
         }
 }
 
@@ -388,7 +428,7 @@ static void check_decode8(kernels a, kernels b) {
     }
     for (int ki = 0; ki < 2; ki++)
         for (int threads = 1; threads <= 2; threads++) {
-            tiny_model t = tiny(kinds[ki], BI_KV_F16, blocks, b);
+            tiny_model t = tiny(kinds[ki], BI_KV_F16, 32, blocks, b);
             t.m.layers = t.layers;
             float *logits[3];
             for (int run = 0; run < 3; run++) {  /* level 8-bit, level 16-bit, portable */

@@ -97,7 +97,11 @@ def _assert_every_check_ran(stdout: str, act8: bool) -> None:
         assert f"decode8 {kind} weights, threads=2" in passed
     for kv_type in ("f32", "f16", "bf16", "e4m3", "e5m2"):
         assert f"kv_load {kv_type}" in passed
-    assert "packed_attention d=64 causal" in passed
+        for head_dim in (64, 128):
+            assert f"decode head={head_dim} q4 weights, {kv_type} cache, threads=2" in passed
+    for d in (16, 24, 32, 64, 128):
+        assert {f"packed_attention d={d}", f"packed_attention d={d} causal"} <= passed
+    assert {"gelu n=13", "gelu n=16421", "silu_mul inter=67"} <= passed
 
 
 def test_neon_kernels_match_the_portable_ones_under_qemu(tmp_path):

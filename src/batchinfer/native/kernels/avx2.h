@@ -272,12 +272,9 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int ro
  * each). */
 static inline __attribute__((always_inline)) void
 unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, __m256i *wb) {
-    const int groups = num_groups(l);
-    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
     const __m256i low = _mm256_set1_epi16(0x0f);
     for (int t = 0; t < T; t++) {
-        const uint8_t *wg = (const uint8_t *)l->weight
-                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
         __m256i *w = wb + 32 * t;
         for (int h = 0; h < 2; h++) {
             if (Q4) {  /* chunk i: pair i in the low nibbles, pair i + 8 in the high ones */
@@ -368,15 +365,9 @@ held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const
             const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
             const __m256i *w = wb + 32 * t;
             float *a = acc + t * TILE_Q;
-            int r0 = 0;
-            for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS)
-                rows_tile16(w, Q4, in, k, groups, g, r0, HELD_ROWS, s, off, a);
-            switch (rows - r0) {
-            case 3: rows_tile16(w, Q4, in, k, groups, g, r0, 3, s, off, a); break;
-            case 2: rows_tile16(w, Q4, in, k, groups, g, r0, 2, s, off, a); break;
-            case 1: rows_tile16(w, Q4, in, k, groups, g, r0, 1, s, off, a); break;
-            default: break;
-            }
+#define ROWS16(R0, R) rows_tile16(w, Q4, in, k, groups, g, R0, R, s, off, a)
+            FOR_HELD_ROWS(rows, ROWS16);
+#undef ROWS16
         }
     }
     finish_held(l, tile, T, acc, rows, y, ldy, accumulate);
@@ -423,12 +414,9 @@ static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale
 static inline __attribute__((always_inline)) void
 unpack_group8(const bi_linear *l, const int Q4, int tile, const int T, int g, __m256i *wb,
               __m256i *ws) {
-    const int groups = num_groups(l);
-    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
     const __m256i nibbles = _mm256_set1_epi8(0x0f);
     for (int t = 0; t < T; t++) {
-        const uint8_t *wg = (const uint8_t *)l->weight
-                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
         __m256i *w = wb + 16 * t, *s = ws + 16 * t;
         for (int m = 0; m < (Q4 ? 4 : 8); m++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(wg + 64 * m));
@@ -511,15 +499,9 @@ held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const 
             const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
             const __m256i *w = wb + 16 * t, *sg = ws + (Q4 ? 0 : 16 * t);
             float *a = acc + t * TILE_Q;
-            int r0 = 0;
-            for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS)
-                rows_tile8(w, sg, Q4, xq, xs, xsum, k, groups, g, r0, HELD_ROWS, s, off, a);
-            switch (rows - r0) {
-            case 3: rows_tile8(w, sg, Q4, xq, xs, xsum, k, groups, g, r0, 3, s, off, a); break;
-            case 2: rows_tile8(w, sg, Q4, xq, xs, xsum, k, groups, g, r0, 2, s, off, a); break;
-            case 1: rows_tile8(w, sg, Q4, xq, xs, xsum, k, groups, g, r0, 1, s, off, a); break;
-            default: break;
-            }
+#define ROWS8(R0, R) rows_tile8(w, sg, Q4, xq, xs, xsum, k, groups, g, R0, R, s, off, a)
+            FOR_HELD_ROWS(rows, ROWS8);
+#undef ROWS8
         }
     }
     finish_held(l, tile, T, acc, rows, y, ldy, accumulate);

@@ -7,7 +7,7 @@
 #include "common.h"
 
 #define BI_ISA_NAME "neon"
-#define BI_HELD16 0
+#define BI_HELD16 1
 #define BI_ACT8 0
 #define BI_FIXED_KV 0
 #define BI_PACKED_FAST 0
@@ -43,6 +43,16 @@ static inline __attribute__((always_inline)) void
 pair_products(int32x4_t *acc, int16x8_t w, int16x8_t x) {
     acc[0] = vmlal_s16(acc[0], vget_low_s16(w), vget_low_s16(x));
     acc[1] = vmlal_high_s16(acc[1], w, x);
+}
+
+/* y[0..16) = v (+ bias) (+ y when accumulating), four lanes at a time. */
+static inline void finish16(float *y, const float32x4_t *v, const float *bias, int accumulate) {
+    for (int c = 0; c < 4; c++) {
+        float32x4_t o = v[c];
+        if (bias) o = vaddq_f32(o, vld1q_f32(bias + 4 * c));
+        if (accumulate) o = vaddq_f32(o, vld1q_f32(y + 4 * c));
+        vst1q_f32(y + 4 * c, o);
+    }
 }
 
 /* 16 outputs of one row of 16-bit inputs, over every group. */
@@ -94,13 +104,7 @@ quant_row(const bi_linear *l, int tile, const int16_t *xq, const float *xs, cons
                 out[c] = vfmaq_n_f32(out[c], vld1q_f32(off + g * TILE_Q + 4 * c), xsum[g]);
         }
     }
-    const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
-    for (int c = 0; c < 4; c++) {
-        float32x4_t v = out[c];
-        if (bias) v = vaddq_f32(v, vld1q_f32(bias + 4 * c));
-        if (accumulate) v = vaddq_f32(v, vld1q_f32(y + 4 * c));
-        vst1q_f32(y + 4 * c, v);
-    }
+    finish16(y, out, l->bias ? l->bias + tile * TILE_Q : NULL, accumulate);
 }
 
 /* A quantized tile (16 outputs) for `rows` (1..4) rows, a row at a time (its 8 accumulators
@@ -139,6 +143,131 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows, fl
             finish(y + r * ldy + tile * TILE_F32, j, total, bias, accumulate);
         }
     }
+}
+
+/* ---- Held weights for many rows ------------------------------------------------------
+ *
+ * From MIN_HELD_ROWS rows on, a group's weights of up to HELD_TILES tiles are unpacked once
+ * (into L1) and serve every row of a block, four rows at a time: 16-bit weights input by input
+ * (`wb[t][i]`: the tile's 16 outputs' weights for input i of the group, two registers), so
+ * that `smlal` by a lane (`vmlal_laneq_s16`) multiplies one input of a row by four outputs'
+ * weights; 4 rows x 16 outputs make 16 accumulators, 16 independent chains. */
+
+/* One group's weights of T tiles, unpacked to 16 bits input by input (see above). */
+static inline __attribute__((always_inline)) void
+unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, int16x8_t *wb) {
+    const uint8x16_t low = vdupq_n_u8(0x0f);
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
+        int16x8_t *w = wb + 2 * GROUP * t;
+        for (int c = 0; c < (Q4 ? 8 : 16); c++) {
+            /* chunk c, de-interleaved: val[e] holds byte e of each output's pair, which is
+             * input 2c + e (q8), or inputs 2c + e and 2c + 16 + e in its nibbles (q4) */
+            const uint8x16x2_t b = vld2q_u8(wg + 32 * c);
+            for (int e = 0; e < 2; e++) {
+                int16x8_t *wi = w + 2 * (2 * c + e);
+                if (Q4) {
+                    const uint8x16_t lo = vandq_u8(b.val[e], low), hi = vshrq_n_u8(b.val[e], 4);
+                    wi[0] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(lo)));
+                    wi[1] = vreinterpretq_s16_u16(vmovl_high_u8(lo));
+                    wi[32] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(hi)));
+                    wi[33] = vreinterpretq_s16_u16(vmovl_high_u8(hi));
+                } else {
+                    const int8x16_t v = vreinterpretq_s8_u8(b.val[e]);
+                    wi[0] = vmovl_s8(vget_low_s8(v));
+                    wi[1] = vmovl_high_s8(v);
+                }
+            }
+        }
+    }
+}
+
+/* acc[row][0..16) += one group's integer sums `d` of R rows, scaled by the weights' scales
+ * `s` and the row's input scale (and q4's offsets `off` times the group's input sum). */
+static inline __attribute__((always_inline)) void
+scale_rows(int32x4_t d[HELD_ROWS][4], const int Q4, const float *xs, const float *xsum,
+           int groups, int g, int r0, const int R, const float *s, const float *off,
+           float *acc) {
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (int64_t)(r0 + r) * groups + g;
+        float *a = acc + (r0 + r) * HELD_TILES * TILE_Q;
+        for (int c = 0; c < 4; c++) {
+            float32x4_t v = vfmaq_f32(vld1q_f32(a + 4 * c), vcvtq_f32_s32(d[r][c]),
+                                      vmulq_n_f32(vld1q_f32(s + 4 * c), xs[at]));
+            if (Q4) v = vfmaq_n_f32(v, vld1q_f32(off + 4 * c), xsum[at]);
+            vst1q_f32(a + 4 * c, v);
+        }
+    }
+}
+
+/* Input L of each row's 8 (lanes of x[r]) times the 16 outputs' weights for it (w[0], w[1]). */
+#define MAC_LANE16(L)                                                                     \
+    do {                                                                                  \
+        const int16x8_t w0 = w[2 * (L)], w1 = w[2 * (L) + 1];                             \
+        for (int r = 0; r < R; r++) {                                                     \
+            d[r][0] = vmlal_laneq_s16(d[r][0], vget_low_s16(w0), x[r], L);                \
+            d[r][1] = vmlal_high_laneq_s16(d[r][1], w0, x[r], L);                         \
+            d[r][2] = vmlal_laneq_s16(d[r][2], vget_low_s16(w1), x[r], L);                \
+            d[r][3] = vmlal_high_laneq_s16(d[r][3], w1, x[r], L);                         \
+        }                                                                                 \
+    } while (0)
+
+/* R (1..4) rows x one tile of one group, 16-bit inputs, into each row's `acc` (HELD_TILES *
+ * TILE_Q floats apart, this tile's 16 first). */
+static inline __attribute__((always_inline)) void
+rows_tile16(const int16x8_t *wt, const int Q4, const bi_input *in, int k, int groups, int g,
+            int r0, const int R, const float *s, const float *off, float *acc) {
+    int32x4_t d[HELD_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) d[r][c] = vdupq_n_s32(0);
+    for (int b = 0; b < GROUP / 8; b++) {  /* inputs 8b..8b+7 */
+        int16x8_t x[HELD_ROWS];
+        for (int r = 0; r < R; r++)
+            x[r] = vld1q_s16(in->q + (int64_t)(r0 + r) * k + g * GROUP + 8 * b);
+        const int16x8_t *w = wt + 16 * b;
+        MAC_LANE16(0); MAC_LANE16(1); MAC_LANE16(2); MAC_LANE16(3);
+        MAC_LANE16(4); MAC_LANE16(5); MAC_LANE16(6); MAC_LANE16(7);
+    }
+    scale_rows(d, Q4, in->scale, in->sum, groups, g, r0, R, s, off, acc);
+}
+#undef MAC_LANE16
+
+/* y += the held kernels' sums `acc` (rows of HELD_TILES * TILE_Q) of tiles [tile, tile + T). */
+static inline void finish_held(const bi_linear *l, int tile, int T, const float *acc, int rows,
+                               float *y, int64_t ldy, int accumulate) {
+    for (int t = 0; t < T; t++) {
+        const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
+        for (int r = 0; r < rows; r++) {
+            float32x4_t v[4];
+            for (int c = 0; c < 4; c++)
+                v[c] = vld1q_f32(acc + (r * HELD_TILES + t) * TILE_Q + 4 * c);
+            finish16(y + r * ldy + (tile + t) * TILE_Q, v, bias, accumulate);
+        }
+    }
+}
+
+/* Tiles [tile, tile + T) for up to BLOCK_ROWS rows, group by group: the group's weights are
+ * unpacked once and serve every row, HELD_ROWS rows and a tile at a time. */
+static inline __attribute__((always_inline)) void
+held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const bi_input *in,
+                  int rows, float *y, int64_t ldy, int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    int16x8_t wb[HELD_TILES * 2 * GROUP];
+    float acc[BLOCK_ROWS * HELD_TILES * TILE_Q];
+    memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
+    for (int g = 0; g < groups; g++) {
+        unpack_group16(l, Q4, tile, T, g, wb);
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(tile + t) * groups + g) * TILE_Q;
+            const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
+            const int16x8_t *w = wb + 2 * GROUP * t;
+            float *a = acc + t * TILE_Q;
+#define ROWS16(R0, R) rows_tile16(w, Q4, in, k, groups, g, R0, R, s, off, a)
+            FOR_HELD_ROWS(rows, ROWS16);
+#undef ROWS16
+        }
+    }
+    finish_held(l, tile, T, acc, rows, y, ldy, accumulate);
 }
 
 /* e^x as the x86 levels compute it (x clamped to [-87, 88], degree-6 polynomial of the
