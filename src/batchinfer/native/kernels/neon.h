@@ -9,7 +9,7 @@
 #define BI_ISA_NAME "neon"
 #define BI_HELD16 1
 #define BI_ACT8 0
-#define BI_FIXED_KV 0
+#define BI_FIXED_KV 1
 #define BI_PACKED_FAST 0
 #define BI_SOFTMAX_FAST 0
 #define BI_GELU_FAST 0
@@ -368,4 +368,80 @@ BI_INLINE int max_span(const float *s, int n, float *best) {
     for (; t + 4 <= n; t += 4) top = vmaxq_f32(top, vld1q_f32(s + t));
     *best = vmaxvq_f32(top);
     return t;
+}
+
+/* ---- Decode attention over keys and values read in place (head sizes 64 and 128) ------- */
+
+/* 4 cache elements from element `i` of `p` (of type KT: float32, float16, bfloat16, e5m2) as
+ * float32, widened in registers as `kv_widen` widens them. */
+static inline __attribute__((always_inline)) float32x4_t load_kv4(const void *p, int64_t i,
+                                                                 const int KT) {
+    if (KT == BI_KV_F32) return vld1q_f32((const float *)p + i);
+    if (KT == BI_KV_F16) return f16x4_to_f32(vld1_u16((const uint16_t *)p + i));
+    if (KT == BI_KV_BF16)
+        return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)p + i), 16));
+    uint32_t four;  /* e5m2: float16's top byte */
+    memcpy(&four, (const uint8_t *)p + i, 4);
+    return f16x4_to_f32(vshl_n_u16(vget_low_u16(vmovl_u8(vcreate_u8(four))), 8));
+}
+
+/* scores[h][t] = q[h] . keys[t] * scale for the t < n keys of one block, head size D: four
+ * keys at a time (two chains each, the query's chunks read from L1), their four sums reduced
+ * together by pairwise adds. */
+static inline __attribute__((always_inline)) void
+block_scores_fixed(const float *q, const void *keys, int n, int per_kv, const int D, const int KT,
+                   float scale, float *scores, int bs) {
+    for (int h = 0; h < per_kv; h++)
+        for (int t0 = 0; t0 < n; t0 += 4) {
+            const int m = n - t0 < 4 ? n - t0 : 4;
+            float32x4_t a[4], b[4];
+            int64_t key[4];  /* past the block's last key: that one again, not stored */
+            for (int i = 0; i < 4; i++) {
+                key[i] = (int64_t)(t0 + (i < m ? i : m - 1)) * D;
+                a[i] = b[i] = vdupq_n_f32(0.f);
+            }
+            for (int c = 0; c < D; c += 8) {
+                const float32x4_t q0 = vld1q_f32(q + h * D + c), q1 = vld1q_f32(q + h * D + c + 4);
+                for (int i = 0; i < 4; i++) {
+                    a[i] = vfmaq_f32(a[i], q0, load_kv4(keys, key[i] + c, KT));
+                    b[i] = vfmaq_f32(b[i], q1, load_kv4(keys, key[i] + c + 4, KT));
+                }
+            }
+            for (int i = 0; i < 4; i++) a[i] = vaddq_f32(a[i], b[i]);
+            float sums[4];
+            vst1q_f32(sums, vmulq_n_f32(vpaddq_f32(vpaddq_f32(a[0], a[1]),
+                                                   vpaddq_f32(a[2], a[3])), scale));
+            memcpy(scores + h * bs + t0, sums, sizeof(float) * m);
+        }
+}
+
+/* out[h] += sum_t p[h][t] values[t] over the t < n values of one block: 32 outputs at a time
+ * held in registers across the block's values, two chains (even and odd values). */
+static inline __attribute__((always_inline)) void
+block_values_fixed(const float *p, const void *values, int n, int per_kv, const int D,
+                   const int KT, float *out, int bs) {
+    for (int h = 0; h < per_kv; h++)
+        for (int c0 = 0; c0 < D; c0 += 32) {
+            float *o = out + h * D + c0;
+            float32x4_t a[8], b[8];
+            for (int i = 0; i < 8; i++) {
+                a[i] = vld1q_f32(o + 4 * i);
+                b[i] = vdupq_n_f32(0.f);
+            }
+            int t = 0;
+            for (; t + 2 <= n; t += 2) {
+                const float w0 = p[h * bs + t], w1 = p[h * bs + t + 1];
+                const int64_t v0 = (int64_t)t * D + c0, v1 = v0 + D;
+                for (int i = 0; i < 8; i++) {
+                    a[i] = vfmaq_n_f32(a[i], load_kv4(values, v0 + 4 * i, KT), w0);
+                    b[i] = vfmaq_n_f32(b[i], load_kv4(values, v1 + 4 * i, KT), w1);
+                }
+            }
+            if (t < n) {
+                const float w0 = p[h * bs + t];
+                for (int i = 0; i < 8; i++)
+                    a[i] = vfmaq_n_f32(a[i], load_kv4(values, (int64_t)t * D + c0 + 4 * i, KT), w0);
+            }
+            for (int i = 0; i < 8; i++) vst1q_f32(o + 4 * i, vaddq_f32(a[i], b[i]));
+        }
 }
