@@ -268,7 +268,7 @@ static void check_elementwise(kernels a, kernels b) {
         b.gelu(y1, n, 2);
         char name[64];
         snprintf(name, sizeof name, "gelu n=%lld", (long long)n);
-        compare(name, y0, y1, n, 1e-6f);
+        compare(name, y0, y1, n, 1.5e-7f);
         free(y0); free(y1);
     }
 }

@@ -10,9 +10,9 @@
 #define BI_HELD16 1
 #define BI_ACT8 0
 #define BI_FIXED_KV 1
-#define BI_PACKED_FAST 0
-#define BI_SOFTMAX_FAST 0
-#define BI_GELU_FAST 0
+#define BI_PACKED_FAST 1
+#define BI_SOFTMAX_FAST 1
+#define BI_GELU_FAST 1
 
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
 static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
@@ -444,4 +444,145 @@ block_values_fixed(const float *p, const void *values, int n, int per_kv, const 
             }
             for (int i = 0; i < 8; i++) vst1q_f32(o + 4 * i, vaddq_f32(a[i], b[i]));
         }
+}
+
+/* ---- The packed attention (see cpu_kernels.c) and GELU ---------------------------------- */
+
+/* One softmax row of the packed attention: exp(s - max) over its n scores (the last few
+ * through a padded copy, the scores past them left as they are); *inv = 1 / sum. */
+BI_INLINE int softmax_row_fast(float *s, int n, float *inv) {
+    const int whole = n / 4 * 4;
+    float32x4_t m = vdupq_n_f32(-INFINITY);
+    for (int j = 0; j < whole; j += 4) m = vmaxq_f32(m, vld1q_f32(s + j));
+    float best = vmaxvq_f32(m);
+    for (int j = whole; j < n; j++) best = s[j] > best ? s[j] : best;
+    const float32x4_t mv = vdupq_n_f32(best);
+    float32x4_t acc = vdupq_n_f32(0.f);
+    for (int j = 0; j < whole; j += 4) {
+        const float32x4_t p = exp4_ps(vsubq_f32(vld1q_f32(s + j), mv));
+        vst1q_f32(s + j, p);
+        acc = vaddq_f32(acc, p);
+    }
+    float sum = vaddvq_f32(acc);
+    if (whole < n) {
+        float tail[4] = {0.f, 0.f, 0.f, 0.f};
+        memcpy(tail, s + whole, sizeof(float) * (n - whole));
+        vst1q_f32(tail, exp4_ps(vsubq_f32(vld1q_f32(tail), mv)));
+        for (int j = whole; j < n; j++) {
+            s[j] = tail[j - whole];
+            sum += s[j];
+        }
+    }
+    *inv = 1.f / sum;
+    return 1;
+}
+
+/* scores[r][j] = q_r . kt[:, j] for r < R, j < n rounded up to 4 (kt: `[D][ldk]`, zero past
+ * n): 16 keys a pass (for 4 rows: 16 accumulators), then 4 at a time with two chains. */
+static inline __attribute__((always_inline)) void
+sentence_scores(const float *const *qr, const int R, const float *kt, int64_t ldk, int n,
+                const int D, float *scores, int64_t lds) {
+    int j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16) {
+        float32x4_t acc[QROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = vdupq_n_f32(0.f);
+        for (int c = 0; c < D; c++) {
+            const float *row = kt + c * ldk + j0;
+            float32x4_t kv[4];
+            for (int i = 0; i < 4; i++) kv[i] = vld1q_f32(row + 4 * i);
+            for (int r = 0; r < R; r++) {
+                const float qc = qr[r][c];
+                for (int i = 0; i < 4; i++) acc[r][i] = vfmaq_n_f32(acc[r][i], kv[i], qc);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) vst1q_f32(scores + r * lds + j0 + 4 * i, acc[r][i]);
+    }
+    for (; j0 < n; j0 += 4) {
+        float32x4_t acc[QROWS], odd[QROWS];  /* even and odd c */
+        for (int r = 0; r < R; r++) acc[r] = odd[r] = vdupq_n_f32(0.f);
+        for (int c = 0; c < D; c += 2) {
+            const float32x4_t k0 = vld1q_f32(kt + c * ldk + j0);
+            const float32x4_t k1 = vld1q_f32(kt + (c + 1) * ldk + j0);
+            for (int r = 0; r < R; r++) {
+                acc[r] = vfmaq_n_f32(acc[r], k0, qr[r][c]);
+                odd[r] = vfmaq_n_f32(odd[r], k1, qr[r][c + 1]);
+            }
+        }
+        for (int r = 0; r < R; r++) vst1q_f32(scores + r * lds + j0, vaddq_f32(acc[r], odd[r]));
+    }
+}
+
+/* out_r = inv[r] * sum_j p[r][j] v_j for r < R (v rows `ld` apart; D a multiple of 16): 16
+ * outputs of every row at a time, in registers across the values. */
+static inline __attribute__((always_inline)) void
+sentence_values(const float *p, int64_t lds, const int R, const float *v, int64_t ld, int n,
+                const int D, const float *inv, float *const *outr) {
+    for (int c0 = 0; c0 < D; c0 += 16) {
+        float32x4_t acc[QROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = vdupq_n_f32(0.f);
+        for (int j = 0; j < n; j++) {
+            const float *vj = v + j * ld + c0;
+            float32x4_t vv[4];
+            for (int i = 0; i < 4; i++) vv[i] = vld1q_f32(vj + 4 * i);
+            for (int r = 0; r < R; r++) {
+                const float w = p[r * lds + j];
+                for (int i = 0; i < 4; i++) acc[r][i] = vfmaq_n_f32(acc[r][i], vv[i], w);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++)
+                vst1q_f32(outr[r] + c0 + 4 * i, vmulq_n_f32(acc[r][i], inv[r]));
+    }
+}
+
+BI_INLINE int transpose_keys_fast(const float *keys, int64_t ldk, int n, int d, float scale,
+                                  float *kt, int64_t ldt) {
+    if (d % 4) return 0;
+    const int padded = (n + 15) / 16 * 16;
+    for (int j0 = 0; j0 < padded; j0 += 4)  /* 4 keys x 4 values at a time, in registers */
+        for (int c0 = 0; c0 < d; c0 += 4) {
+            float32x4_t r[4];
+            for (int i = 0; i < 4; i++)
+                r[i] = j0 + i < n ? vmulq_n_f32(vld1q_f32(keys + (j0 + i) * ldk + c0), scale)
+                                  : vdupq_n_f32(0.f);
+            /* pairs of rows interleaved, then pairs of pairs: column i of the block */
+            const float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(r[0], r[1]));
+            const float64x2_t t1 = vreinterpretq_f64_f32(vtrn2q_f32(r[0], r[1]));
+            const float64x2_t t2 = vreinterpretq_f64_f32(vtrn1q_f32(r[2], r[3]));
+            const float64x2_t t3 = vreinterpretq_f64_f32(vtrn2q_f32(r[2], r[3]));
+            vst1q_f32(kt + c0 * ldt + j0, vreinterpretq_f32_f64(vtrn1q_f64(t0, t2)));
+            vst1q_f32(kt + (c0 + 1) * ldt + j0, vreinterpretq_f32_f64(vtrn1q_f64(t1, t3)));
+            vst1q_f32(kt + (c0 + 2) * ldt + j0, vreinterpretq_f32_f64(vtrn2q_f64(t0, t2)));
+            vst1q_f32(kt + (c0 + 3) * ldt + j0, vreinterpretq_f32_f64(vtrn2q_f64(t1, t3)));
+        }
+    return 1;
+}
+
+/* erf(x) as the x86 levels compute it (Abramowitz and Stegun 7.1.26), t = 1 / (1 + 0.3275911
+ * |x|) by division. */
+static inline float32x4_t erf4_ps(float32x4_t x) {
+    const float32x4_t ax = vabsq_f32(x);
+    const float32x4_t t = vdivq_f32(vdupq_n_f32(1.f),
+                                    vfmaq_n_f32(vdupq_n_f32(1.f), ax, 0.3275911f));
+    float32x4_t p = vdupq_n_f32(1.061405429f);
+    p = vfmaq_f32(vdupq_n_f32(-1.453152027f), p, t);
+    p = vfmaq_f32(vdupq_n_f32(1.421413741f), p, t);
+    p = vfmaq_f32(vdupq_n_f32(-0.284496736f), p, t);
+    p = vfmaq_f32(vdupq_n_f32(0.254829592f), p, t);
+    p = vmulq_f32(p, t);
+    const float32x4_t y = vfmsq_f32(vdupq_n_f32(1.f), p, exp4_ps(vnegq_f32(vmulq_f32(ax, ax))));
+    /* the sign of x */
+    return vbslq_f32(vdupq_n_u32(0x80000000u), x, y);
+}
+
+BI_INLINE int64_t gelu_span(float *x, int64_t i, int64_t end) {
+    for (; i + 4 <= end; i += 4) {
+        const float32x4_t v = vld1q_f32(x + i);
+        const float32x4_t e = erf4_ps(vmulq_n_f32(v, 0.70710678118654752f));
+        vst1q_f32(x + i, vmulq_f32(vmulq_n_f32(v, 0.5f), vaddq_f32(e, vdupq_n_f32(1.f))));
+    }
+    return i;
 }
