@@ -1,30 +1,39 @@
-/* Arm NEON (AArch64, where Advanced SIMD is always there): the quantized products as 16-bit
- * integer multiply-adds widening to 32 bits (`smlal`), the float32 GEMV, the inputs' 16-bit
- * rounding, exp (SiLU, softmax), the decode attention's dot products and maxima, and the
- * float16 / bfloat16 / 8-bit cache widening, 128 bits at a time. The integer products are
- * exact, so the results equal the portable level's up to the order of float additions. */
+/* Arm NEON (AArch64, where Advanced SIMD is always there), 128 bits at a time: the quantized
+ * products as 16-bit integer multiply-adds widening to 32 bits (`smlal`; for 8+ rows against
+ * weights unpacked once per group), 8-bit ones by `sdot` where the build targets ARMv8.2's
+ * dot products, the float32 GEMV, the inputs' rounding, exp (SiLU, softmax), GELU, the decode
+ * attention (keys and values read in place at head sizes 64 and 128), the packed attention
+ * and the float16 / bfloat16 / 8-bit cache widening. The integer products are exact, so the
+ * results equal the portable level's up to the order of float additions. */
 #include <arm_neon.h>
 #include "common.h"
 
 #define BI_ISA_NAME "neon"
 #define BI_HELD16 1
-#define BI_ACT8 0
+/* BI_ACT8: below, 1 where the build targets the dot-product extension */
 #define BI_FIXED_KV 1
 #define BI_PACKED_FAST 1
 #define BI_SOFTMAX_FAST 1
 #define BI_GELU_FAST 1
 
+/* A group of 32 inputs into v[8]; returns their largest |x|, `*sum` their float sum. */
+static inline __attribute__((always_inline)) float load_group(const float *x, float32x4_t v[8],
+                                                              float *sum) {
+    for (int i = 0; i < 8; i++) v[i] = vld1q_f32(x + 4 * i);
+    float32x4_t top4 = vabsq_f32(v[0]), total4 = v[0];
+    for (int i = 1; i < 8; i++) {
+        top4 = vmaxq_f32(top4, vabsq_f32(v[i]));
+        total4 = vaddq_f32(total4, v[i]);
+    }
+    *sum = vaddvq_f32(total4);
+    return vmaxvq_f32(top4);
+}
+
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
 static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
     for (int g = 0; g < groups; g++) {
         float32x4_t v[8];
-        for (int i = 0; i < 8; i++) v[i] = vld1q_f32(x + g * GROUP + 4 * i);
-        float32x4_t top4 = vabsq_f32(v[0]), total4 = v[0];
-        for (int i = 1; i < 8; i++) {
-            top4 = vmaxq_f32(top4, vabsq_f32(v[i]));
-            total4 = vaddq_f32(total4, v[i]);
-        }
-        const float top = vmaxvq_f32(top4);
+        const float top = load_group(x + g * GROUP, v, sum + g);
         const float32x4_t inv = vdupq_n_f32(top > TINY_GROUP ? 32767.f / top : 0.f);
         for (int i = 0; i < 8; i += 2) {  /* round to nearest, ties to even; narrow saturating */
             const int32x4_t a = vcvtnq_s32_f32(vmulq_f32(v[i], inv));
@@ -32,7 +41,6 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
             vst1q_s16(q + g * GROUP + 4 * i, vcombine_s16(vqmovn_s32(a), vqmovn_s32(b)));
         }
         scale[g] = top / 32767.f;
-        sum[g] = vaddvq_f32(total4);
     }
 }
 
@@ -269,6 +277,124 @@ held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const
     }
     finish_held(l, tile, T, acc, rows, y, ldy, accumulate);
 }
+
+/* ---- 8-bit activations (opt-in, many rows), where the CPU has the dot-product extension --
+ *
+ * `sdot` by a lane (`vdotq_laneq_s32`) adds four products of signed bytes into each 32-bit
+ * lane: four inputs of a row (one 32-bit lane of its register of 16 inputs) against four
+ * weights of each of four outputs. A group's weights are held as four-input lanes, `wb[t][m]`
+ * the tile's 16 outputs' weights for inputs 4m..4m+3 (four registers; q4's 0..15 and q8's
+ * -127..127 both fit a signed byte, so the inputs stay signed and need no correction). The
+ * inputs are rounded as on x86 (largest |x| / 127, to nearest): the same integers. Built
+ * where the compiler targets ARMv8.2's dot products (`-march=native` on a CPU that has them:
+ * Neoverse N1 and later, Apple M1 and later); an ARMv8.0 build has no 8-bit path. */
+#if defined(__ARM_FEATURE_DOTPROD)
+#define BI_ACT8 1
+
+/* Groups of one row into int8, scales and float sums (`flip` is not needed: the inputs stay
+ * signed). */
+static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale, float *sum,
+                             int flip) {
+    (void)flip;
+    for (int g = 0; g < groups; g++) {
+        float32x4_t v[8];
+        const float top = load_group(x + g * GROUP, v, sum + g);
+        const float32x4_t inv = vdupq_n_f32(top > TINY_GROUP ? 127.f / top : 0.f);
+        for (int i = 0; i < 8; i += 4) {  /* round to nearest, ties to even; narrow saturating */
+            int16x8_t h[2];
+            for (int j = 0; j < 2; j++)
+                h[j] = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(v[i + 2 * j], inv))),
+                                    vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(v[i + 2 * j + 1], inv))));
+            vst1q_s8(q + g * GROUP + 4 * i, vcombine_s8(vqmovn_s16(h[0]), vqmovn_s16(h[1])));
+        }
+        scale[g] = top / 127.f;
+    }
+}
+
+/* One group's weights of T tiles as four-input lanes (see above). Chunks 2m and 2m + 1 hold
+ * the quad's two pairs, output j's in 16-bit word j: interleaving their words puts an
+ * output's four bytes in one lane. */
+static inline __attribute__((always_inline)) void
+unpack_group8(const bi_linear *l, const int Q4, int tile, const int T, int g, int8x16_t *wb) {
+    const uint8x16_t nibbles = vdupq_n_u8(0x0f);
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
+        int8x16_t *w = wb + 4 * (GROUP / 4) * t;
+        for (int m = 0; m < (Q4 ? 4 : 8); m++) {
+            uint16x8_t a[2], b[2];  /* outputs 0..7 and 8..15 of chunks 2m and 2m + 1 */
+            for (int h = 0; h < 2; h++) {
+                a[h] = vreinterpretq_u16_u8(vld1q_u8(wg + 64 * m + 16 * h));
+                b[h] = vreinterpretq_u16_u8(vld1q_u8(wg + 64 * m + 32 + 16 * h));
+            }
+            const uint8x16_t v[4] = {  /* outputs 0..3, 4..7, 8..11, 12..15 */
+                vreinterpretq_u8_u16(vzip1q_u16(a[0], b[0])),
+                vreinterpretq_u8_u16(vzip2q_u16(a[0], b[0])),
+                vreinterpretq_u8_u16(vzip1q_u16(a[1], b[1])),
+                vreinterpretq_u8_u16(vzip2q_u16(a[1], b[1]))};
+            for (int c = 0; c < 4; c++) {
+                if (Q4) {  /* low nibbles: inputs 4m..; high ones: 16 + 4m.. */
+                    w[4 * m + c] = vreinterpretq_s8_u8(vandq_u8(v[c], nibbles));
+                    w[4 * (m + 4) + c] = vreinterpretq_s8_u8(vshrq_n_u8(v[c], 4));
+                } else {
+                    w[4 * m + c] = vreinterpretq_s8_u8(v[c]);
+                }
+            }
+        }
+    }
+}
+
+/* Inputs 4L..4L+3 of each row's 16 (lane L of x[r]) against the tile's weights for them. */
+#define DOT_LANE(L)                                                                       \
+    do {                                                                                  \
+        const int8x16_t *wm = w + 4 * (4 * half + (L));                                   \
+        for (int r = 0; r < R; r++)                                                       \
+            for (int c = 0; c < 4; c++) d[r][c] = vdotq_laneq_s32(d[r][c], wm[c], x[r], L); \
+    } while (0)
+
+/* R (1..4) rows x one tile of one group of 8-bit inputs (see rows_tile16). */
+static inline __attribute__((always_inline)) void
+rows_tile8(const int8x16_t *w, const int Q4, const int8_t *xq, const float *xs,
+           const float *xsum, int k, int groups, int g, int r0, const int R, const float *s,
+           const float *off, float *acc) {
+    int32x4_t d[HELD_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) d[r][c] = vdupq_n_s32(0);
+    for (int half = 0; half < 2; half++) {  /* inputs 16 half .. 16 half + 15 */
+        int8x16_t x[HELD_ROWS];
+        for (int r = 0; r < R; r++)
+            x[r] = vld1q_s8(xq + (int64_t)(r0 + r) * k + g * GROUP + 16 * half);
+        DOT_LANE(0); DOT_LANE(1); DOT_LANE(2); DOT_LANE(3);
+    }
+    scale_rows(d, Q4, xs, xsum, groups, g, r0, R, s, off, acc);
+}
+#undef DOT_LANE
+
+/* Tiles [tile, tile + T) for up to BLOCK_ROWS rows of 8-bit inputs (see held_tiles16_kind). */
+static inline __attribute__((always_inline)) void
+held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const int8_t *xq,
+                 const float *xs, const float *xsum, int rows, float *y, int64_t ldy,
+                 int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    int8x16_t wb[HELD_TILES * GROUP];
+    float acc[BLOCK_ROWS * HELD_TILES * TILE_Q];
+    memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
+    for (int g = 0; g < groups; g++) {
+        unpack_group8(l, Q4, tile, T, g, wb);
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(tile + t) * groups + g) * TILE_Q;
+            const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
+            const int8x16_t *w = wb + GROUP * t;
+            float *a = acc + t * TILE_Q;
+#define ROWS8(R0, R) rows_tile8(w, Q4, xq, xs, xsum, k, groups, g, R0, R, s, off, a)
+            FOR_HELD_ROWS(rows, ROWS8);
+#undef ROWS8
+        }
+    }
+    finish_held(l, tile, T, acc, rows, y, ldy, accumulate);
+}
+#else
+#define BI_ACT8 0
+#endif
 
 /* e^x as the x86 levels compute it (x clamped to [-87, 88], degree-6 polynomial of the
  * fraction, 2^r from r's exponent bits). */
