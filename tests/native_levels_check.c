@@ -210,14 +210,17 @@ static void check_linear(kernels a, kernels b, int eight, int kind, int n, int k
 static void check_linears(kernels a, kernels b) {
     /* n, k: one to five tiles of 16 (the held kernels take four at a time), and float32's
      * remainders */
-    const int shapes[][2] = {{16, 32}, {48, 96}, {32, 160}, {80, 64}, {20, 37}};
-    /* rows: the few-row kernels, the held ones with their remainders, blocks of 32 */
-    const int row_counts[] = {1, 3, 5, 8, 10, 11, 33, 70};
+    const int shapes[][2] = {{48, 96}, {80, 64}, {16, 32}, {32, 160}, {20, 37}, {12, 45}};
+    /* rows: the few-row kernels (remainders of 4), the held ones with their remainders of 4,
+     * blocks of 32 rows and their remainders (of 8, 16 and 32); all of them for the first two
+     * shapes, some for the others */
+    enum { counts = 17, some = 5 };
+    const int row_counts[counts] = {1, 5, 9, 33, 130, 2, 3, 4, 7, 8, 12, 15, 17, 31, 64, 65, 97};
     for (int kind = BI_F32; kind <= BI_Q8; kind++)
-        for (int s = 0; s < 5; s++) {
+        for (int s = 0; s < 6; s++) {
             const int n = shapes[s][0], k = shapes[s][1];
             if (kind != BI_F32 && (n % TILE_Q || k % GROUP)) continue;
-            for (int ri = 0; ri < 8; ri++)
+            for (int ri = 0; ri < (s < 2 ? counts : some); ri++)
                 for (int threads = 1; threads <= 3; threads++)
                     check_linear(a, b, 0, kind, n, k, row_counts[ri], threads);
         }
@@ -227,11 +230,12 @@ static void check_linears(kernels a, kernels b) {
  * products at 8+ rows (held tiles 1-4 at a time, the rows' remainders of 4, blocks of 32, 1-3
  * threads); the 16-bit product below 8 rows and on a level without. */
 static void check_linears8(kernels a) {
-    const int shapes[][2] = {{16, 32}, {48, 96}, {80, 64}, {112, 160}};
-    const int row_counts[] = {3, 8, 9, 10, 11, 13, 33, 70, 130};
+    const int shapes[][2] = {{48, 96}, {112, 160}, {16, 32}, {80, 64}};
+    enum { counts = 14, some = 6 };
+    const int row_counts[counts] = {3, 8, 13, 33, 70, 130, 7, 9, 10, 11, 17, 31, 64, 97};
     for (int kind = BI_Q4; kind <= BI_Q8; kind++)
         for (int s = 0; s < 4; s++)
-            for (int ri = 0; ri < 9; ri++)
+            for (int ri = 0; ri < (s < 2 ? counts : some); ri++)
                 for (int threads = 1; threads <= 3; threads++)
                     check_linear(a, a, 1, kind, shapes[s][0], shapes[s][1], row_counts[ri],
                                  threads);
@@ -288,7 +292,7 @@ static void check_packed_attention(kernels a, kernels b) {
     const int heads = 4, kv_heads = 2, dims[] = {16, 24, 32, 64, 128};
     for (int di = 0; di < 5; di++)
         for (int causal = 0; causal < 2; causal++) {
-            const int d = dims[di];
+            const int d = dims[di], threads = 1 + (di + causal) % 3;
             float *q = random_floats((int64_t)total * heads * d, 1.f);
             float *k = random_floats((int64_t)total * kv_heads * d, 1.f);
             float *v = random_floats((int64_t)total * kv_heads * d, 1.f);
@@ -296,11 +300,12 @@ static void check_packed_attention(kernels a, kernels b) {
             float *o1 = calloc((size_t)total * heads * d, sizeof(float));
             const float scale = 1.f / sqrtf((float)d);
             a.packed(seqs, starts, lengths, 130, heads, kv_heads, d, q, heads * d, k,
-                     kv_heads * d, v, kv_heads * d, o0, heads * d, scale, causal, 2);
+                     kv_heads * d, v, kv_heads * d, o0, heads * d, scale, causal, threads);
             b.packed(seqs, starts, lengths, 130, heads, kv_heads, d, q, heads * d, k,
-                     kv_heads * d, v, kv_heads * d, o1, heads * d, scale, causal, 2);
+                     kv_heads * d, v, kv_heads * d, o1, heads * d, scale, causal, threads);
             char name[64];
-            snprintf(name, sizeof name, "packed_attention d=%d%s", d, causal ? " causal" : "");
+            snprintf(name, sizeof name, "packed_attention d=%d%s threads=%d", d,
+                     causal ? " causal" : "", threads);
             compare(name, o0, o1, (int64_t)total * heads * d, 1e-5f);
             free(q); free(k); free(v); free(o0); free(o1);
         }

@@ -101,19 +101,24 @@ def _assert_every_check_ran(stdout: str, act8: bool) -> None:
     assert f"act8 {int(act8)}" in stdout.splitlines()
     passed = {line[3:] for line in stdout.splitlines() if line.startswith("ok ")}
     for kind in ("f32", "q4", "q8"):
-        assert sum(name.startswith(f"linear {kind} ") for name in passed) >= 15, kind
+        assert sum(name.startswith(f"linear {kind} ") for name in passed) >= 130, kind
         assert f"decode {kind} weights, f16 cache, threads=3" in passed
     for kind in ("q4", "q8"):
         eight = {name for name in passed
                  if name.startswith(f"linear8 {kind} ") and "(16-bit)" not in name}
-        assert len(eight) >= (90 if act8 else 0), kind
+        assert len(eight) >= (100 if act8 else 0), kind
         assert f"decode8 {kind} weights, threads=2" in passed
     for kv_type in ("f32", "f16", "bf16", "e4m3", "e5m2"):
         assert f"kv_load {kv_type}" in passed
         for head_dim in (64, 128):
             assert f"decode head={head_dim} q4 weights, {kv_type} cache, threads=2" in passed
     for d in (16, 24, 32, 64, 128):
-        assert {f"packed_attention d={d}", f"packed_attention d={d} causal"} <= passed
+        for mask in ("", " causal"):
+            assert any(name.startswith(f"packed_attention d={d}{mask} threads=")
+                       for name in passed), (d, mask)
+    assert {f"linear q4 n=80 k=64 rows={rows} threads={threads}" for rows in (97, 130)
+            for threads in (1, 3)} <= {name.split(" bias")[0].split(" accumulate")[0]
+                                       for name in passed}
     assert {"gelu n=13", "gelu n=16421", "silu_mul inter=67"} <= passed
 
 
