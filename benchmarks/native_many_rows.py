@@ -12,8 +12,10 @@
 - products: `F.linear` against the q4 and q8 native kernels with 16-bit inputs and with 8-bit
   ones (`--prefill-activations int8`; the same as 16-bit where the level has no 8-bit products:
   portable, NEON without dot products, AVX-512 without VNNI), on SmolLM2's gate+up and down
-  shapes at 256 and 1,024 rows; with `--levels`, those of each instruction-set level named
-  (`BATCHINFER_CPU_ISA`'s names; each built for this CPU) side by side.
+  shapes at 256 and 1,024 rows.
+
+`--levels`: every native contender once per instruction-set level named (`BATCHINFER_CPU_ISA`'s
+names, each built for this CPU), side by side in the same rounds.
 
 Every case runs its contenders in turn, `--rounds` times (a load that comes and goes falls on
 all); medians in ms, and each one's speedup over the first.
@@ -55,18 +57,27 @@ def race(name: str, contenders: dict[str, Callable[[], object]], rounds: int) ->
             seconds[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(v) * 1e3 for key, v in seconds.items()}
     base = next(iter(medians.values()))
-    print(f"{name:34}" + "".join(f"{key:>14} {ms:7.2f} ms ({base / ms:4.2f}x)"
-                                   for key, ms in medians.items()))
+    print(name)
+    for key, ms in medians.items():
+        print(f"  {key:24}{ms:9.2f} ms {base / ms:6.2f}x", flush=True)
 
 
-def encoder_attention(lib: object, rounds: int) -> None:
+def natives(libs: dict[str, ctypes.CDLL], run: Callable[[ctypes.CDLL], object]
+            ) -> dict[str, Callable[[], object]]:
+    """`run` on each level's library, named `native` (one level) or by the level."""
+    return {("native" if len(libs) == 1 else level): partial(run, lib)
+            for level, lib in libs.items()}
+
+
+def encoder_attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
     rng = random.Random(0)
     for around in (40, 130, 250):
-        encoder_case(lib, sorted(rng.randint(around - 4, around + 4) for _ in range(32)),
+        encoder_case(libs, sorted(rng.randint(around - 4, around + 4) for _ in range(32)),
                      f"encoder, 32 x ~{around} tokens", rounds)
 
 
-def encoder_case(lib: object, lengths: list[int], name: str, rounds: int) -> None:
+def encoder_case(libs: dict[str, ctypes.CDLL], lengths: list[int], name: str, rounds: int
+                 ) -> None:
     heads, head_dim = 12, 32
     q, k, v = (torch.randn(sum(lengths), heads * head_dim) for _ in range(3))
     runs = _equal_length_runs(lengths)
@@ -82,16 +93,16 @@ def encoder_case(lib: object, lengths: list[int], name: str, rounds: int) -> Non
             start = end
         return out
 
-    race(name, {"sdpa": sdpa,
-                "native": lambda: native.packed_attention(lib, q, k, v, lengths, heads)}, rounds)
+    race(name, {"sdpa": sdpa, **natives(libs, lambda lib: native.packed_attention(
+        lib, q, k, v, lengths, heads))}, rounds)
 
 
-def prefill_attention(lib: object, rounds: int) -> None:
+def prefill_attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
     for lengths in ([512], [200] * 10, [64] * 32):
-        prefill_case(lib, lengths, rounds)
+        prefill_case(libs, lengths, rounds)
 
 
-def prefill_case(lib: object, lengths: list[int], rounds: int) -> None:
+def prefill_case(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> None:
     heads, kv_heads, head_dim = 9, 3, 64
     total = sum(lengths)
     q = torch.randn(total, heads * head_dim)
@@ -109,9 +120,8 @@ def prefill_case(lib: object, lengths: list[int], rounds: int) -> None:
         return out
 
     race(f"prefill, {len(lengths)} x {lengths[0]} tokens", {
-        "sdpa": sdpa,
-        "native": lambda: native.packed_attention(lib, q, k, v, lengths, heads, causal=True)},
-        rounds)
+        "sdpa": sdpa, **natives(libs, lambda lib: native.packed_attention(
+            lib, q, k, v, lengths, heads, causal=True))}, rounds)
 
 
 def products(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
@@ -146,8 +156,8 @@ def main() -> None:
     parser.add_argument("--cases", default="encoder,prefill,products",
                         help="which of encoder, prefill, products to run")
     parser.add_argument("--levels", default=None,
-                        help="products: the instruction-set levels to compare (default: the "
-                             "one that loads)")
+                        help="the instruction-set levels to compare (default: the one that "
+                             "loads)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,9 +177,9 @@ def main() -> None:
     cases = args.cases.split(",")
     with torch.inference_mode():
         if "encoder" in cases:
-            encoder_attention(lib, args.rounds)
+            encoder_attention(libs, args.rounds)
         if "prefill" in cases:
-            prefill_attention(lib, args.rounds)
+            prefill_attention(libs, args.rounds)
         if "products" in cases:
             products(libs, args.rounds)
 
