@@ -33,6 +33,7 @@ from batchinfer.native.linear import NativeLinear, dequantize_q8, pack_q8, quant
 from batchinfer.runner.input_batch import prepare_inputs
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
+from tests.test_native_levels import has_act8
 from tests.tiny_models import make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -710,9 +711,8 @@ def test_every_isa_level_computes_the_same_attention_and_decode_steps(level, lib
     check_packed_attention(built)
     _check_kv_conversions(built)
     _check_elementwise(built)
-    # 8-bit products: AVX2 (maddubs) and AVX-512 VNNI; elsewhere the 16-bit inputs run
-    assert built.bi_act8() == (level == "avx2" or level == "avx512" and "avx512_vnni" in
-                               cpu_flags())
+    # 8-bit products: AVX2, AVX-512 VNNI, NEON dot products; elsewhere the 16-bit inputs run
+    assert built.bi_act8() == has_act8(level)
     if built.bi_act8():
         _one_thread(_check_8_bit_inputs, built)
         _one_thread(_check_8_bit_decode_steps, tmp_path / "act8")

@@ -61,7 +61,7 @@ def _compare(cc: str, qemu: str, level_lib: Path, portable_lib: Path, kernels: P
                            str(portable_lib)], capture_output=True, text=True, timeout=600)
 
 
-def _has_act8(level: str) -> bool:
+def has_act8(level: str) -> bool:
     """Whether the loader's build of `level` has 8-bit-input products on this CPU: AVX2
     always, AVX-512 with VNNI, NEON with the dot-product extension (`asimddp`)."""
     flags = cpu_flags()
@@ -92,7 +92,7 @@ def test_each_level_this_cpu_runs_matches_the_portable_one(level, tmp_path):
     assert result.stdout.startswith(f"levels {level} portable"), result.stdout + result.stderr
     failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
     assert result.returncode == 0 and not failures, "\n".join(failures) + result.stderr
-    _assert_every_check_ran(result.stdout, act8=_has_act8(level))
+    _assert_every_check_ran(result.stdout, act8=has_act8(level))
 
 
 def _assert_every_check_ran(stdout: str, act8: bool) -> None:

@@ -198,7 +198,8 @@ int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, in
 int bi_act8(void) { return BI_ACT8; }
 
 /* bi_linear_forward with the inputs rounded to 8 bits where that path exists (`bi_act8`: AVX2,
- * AVX-512 VNNI; quantized weights, at least MIN_HELD_ROWS rows); elsewhere bi_linear_forward. */
+ * AVX-512 VNNI, NEON with dot products; quantized weights, at least MIN_HELD_ROWS rows);
+ * elsewhere bi_linear_forward. */
 int bi_linear_forward8(const bi_linear *l, int rows, const float *x, float *y, int accumulate,
                        int threads) {
     return linear_forward(l, rows, x, y, accumulate, threads,

@@ -107,6 +107,7 @@ static inline int num_groups(const bi_linear *l) { return l->k / GROUP; }
 static inline const uint8_t *group_bytes(const bi_linear *l, int q4, int tile, int g) {
     return (const uint8_t *)l->weight + ((int64_t)tile * num_groups(l) + g) * (q4 ? 256 : 512);
 }
+
 static inline int tile_of(const bi_linear *l) { return l->kind == BI_F32 ? TILE_F32 : TILE_Q; }
 
 /* A linear's input rows as its kernel reads them: float32 rows (BI_F32), or per group of 32
