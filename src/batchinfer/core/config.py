@@ -124,10 +124,10 @@ class EngineConfig:
     prefill_activations: str = field(default="int16", metadata=_help(
         "CPU native kernels of quantized weights (q4, q8, int8) in the decoder layers: the "
         "inputs of products of 8 rows and more (prefill chunks; decode steps of 8+ sequences, "
-        "native or not) rounded per group of 32 to int16 (~1e-5 of "
-        "the group's largest value), or int8 (AVX-512 VNNI: products ~1.5x faster than with "
-        "int16; like llama.cpp's and OpenVINO's 8-bit activations, logits move by ~1e-2 of "
-        "their range, so fewer greedy tokens match float32's)"))
+        "native or not) rounded per group of 32 to int16 (~1e-5 of the group's largest value), "
+        "or int8 (AVX-512 VNNI, AVX2, Arm with dot products; products ~1.5x faster than with "
+        "int16, but q8 ones on AVX2 alike; like llama.cpp's and OpenVINO's 8-bit activations, "
+        "logits move by ~1e-2 of their range, so fewer greedy tokens match float32's)"))
     native_decode: bool = field(default=True, metadata=_help(
         "CPU float32: run decode steps (every sequence one token) as one native call per step, "
         "at the row counts where that measured faster than the torch model at start-up "

@@ -110,7 +110,7 @@ class Worker:
         if config.prefill_activations == "int8":
             int8_linears = set_int8_inputs(loaded.model)
             logger.info("prefill activations int8: %d native linears (products of 8+ rows; "
-                        "0: no AVX-512 VNNI or no native kernel chosen)", int8_linears)
+                        "0: no 8-bit products at this ISA level, or no native kernel chosen)", int8_linears)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
         activation_bytes = None
         if device.type == "cuda":
