@@ -24,7 +24,8 @@ SCHEMA = {"type": "object",
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    return LLM(str(make_tiny_llama(tmp_path_factory.mktemp("tiny"))), max_model_len=512)
+    return LLM(str(make_tiny_llama(tmp_path_factory.mktemp("tiny"))), max_model_len=512,
+               kv_cache_memory=16 << 20)
 
 
 def test_constrained_requests_match_their_spec_beside_unconstrained_ones(llm):

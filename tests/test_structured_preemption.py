@@ -51,7 +51,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model):
     prompts, params = _requests()
-    outs = LLM(model, max_model_len=256).generate(prompts, params)
+    outs = LLM(model, max_model_len=256, kv_cache_memory=16 << 20).generate(prompts, params)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -72,7 +72,7 @@ def test_preempted_constrained_sequences_resume_exactly(model, reference, mode):
 
 
 def test_prefix_cache_hits_and_n_copies_keep_their_own_matchers(model):
-    llm = LLM(model, max_model_len=256, enable_prefix_caching=True)
+    llm = LLM(model, max_model_len=256, enable_prefix_caching=True, kv_cache_memory=16 << 20)
     spec = StructuredOutput(json_schema=SCHEMA)
     prompt = "a shared prefix that fills more than one cache block of sixteen tokens " * 2
     first = llm.generate([prompt], SamplingParams(max_tokens=200, temperature=0,
