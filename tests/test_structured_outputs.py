@@ -80,7 +80,8 @@ def test_logit_bias_moves_greedy_decoding(llm):
 def test_json_strings_take_only_valid_utf8_and_count_code_points():
     """A byte-level vocabulary can spell a UTF-16 surrogate's three UTF-8-like bytes, which
     xgrammar's own string classes admit; the schema grammar refuses them (so every string
-    decodes without U+FFFD) and a bounded string counts one JSON character per repetition."""
+    decodes without U+FFFD), and a bounded string counts one code point per repetition (so it
+    holds no escapes; a free string does)."""
     import xgrammar as xgr
 
     from batchinfer.runner.structured import _json_schema_grammar
@@ -96,7 +97,8 @@ def test_json_strings_take_only_valid_utf8_and_count_code_points():
         matcher = xgr.GrammarMatcher(grammar)
         return all(matcher.accept_token(b) for b in text) and matcher.is_completed()
 
-    assert accepts('{"a": "é\\u00e9\\n", "b": "\U00102de7"}'.encode())
+    assert accepts('{"a": "é\U00102de7", "b": "\\u00e9\\n\\""}'.encode())
+    assert not accepts(b'{"a": "x\\n", "b": ""}')  # no escapes in a bounded string
     assert not accepts(b'{"a": "x\xed\xb7\xa7", "b": ""}')  # a surrogate in a bounded string
     assert not accepts(b'{"a": "xy", "b": "\xed\xa0\x80"}')  # ... and in a free one
     assert not accepts(b'{"a": "x\x01", "b": ""}')  # raw control characters are not JSON

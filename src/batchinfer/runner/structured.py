@@ -51,16 +51,16 @@ TOOL_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 _JSON_OBJECT = '{"type": "object"}'
 # xgrammar (0.2.9) writes a JSON string's characters as classes of code points that let two
 # kinds of invalid output through: a string with minLength / maxLength is
-# `[^"\\\r\n]{m,n}` (raw control characters allowed, which `json.loads` refuses; escapes not:
-# its issue #800), and every class admits the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8
-# form is no valid UTF-8 (a byte-level vocabulary can spell them; they decode to U+FFFD, one
-# per byte, and a bounded string comes out too long). Each bounded repetition becomes one
-# JSON character (a code point but C0, quote, backslash and surrogates, or one escape), and
-# the unbounded strings' class loses the surrogates.
+# `[^"\\\r\n]{m,n}` (raw control characters allowed, which `json.loads` refuses), and every
+# class admits the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8 form is no valid UTF-8 (a
+# byte-level vocabulary can spell them; they decode to U+FFFD, one per byte, and a bounded
+# string comes out too long). Both classes become "a code point but C0, quote, backslash and
+# the surrogates". A bounded string thus holds no escapes (as xgrammar has it: each repetition
+# one character); allowing them, `(char | escape){m,n}`, made each row's mask tens of times
+# slower to fill (docs/server.md).
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _JSON_CODE_POINT = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
-_JSON_STRING_CHAR = rf'({_JSON_CODE_POINT} | "\\" ([\"\\/bfnrt] | "u" [A-Fa-f0-9]{{4}}))'
 
 
 @dataclass(slots=True)
@@ -232,7 +232,7 @@ def _json_schema_grammar(schema: str) -> str:
     (valid UTF-8, no raw control characters). No whitespace but xgrammar's `, ` and `: ` separators: free whitespace lets a
     small model spend its whole budget on spaces and newlines."""
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-    text = str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    text = str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_CODE_POINT)
     return text.replace(_STRING_CHAR, _JSON_CODE_POINT)
 
 
