@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/native_decode.py                      # q4 and none, 1-32 rows
     .venv/bin/python benchmarks/native_decode.py --weights q4 --rows 1,8 --context 512
+    .venv/bin/python benchmarks/native_decode.py --weights q4,q4+a8 --levels avx512,avx2,portable
 
 Loads the embedded model per `--weights` form (kernels `auto`, as the engine chooses them;
 the native forms of every row bucket kept, where the engine keeps only those its start-up
@@ -10,12 +11,18 @@ measurement takes), then for each row count builds one decode step of that many 
 the runner's torch path on it alternately, `--repeats` times each: median milliseconds per
 step. A row count whose bucket has no native form for every linear shows the torch figure only;
 the last column says which way the engine's own start-up measurement chose for that bucket.
+A `+a8` form takes `--prefill-activations int8` (steps of 8+ sequences round the layers' inputs
+to 8 bits where the level has 8-bit products). `--levels`: the native step once per
+instruction-set level named (`BATCHINFER_CPU_ISA`'s names, each built for this CPU: one
+library per level, reading the same weights and cache), in turn with the torch step, which
+runs the level that loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -32,17 +39,31 @@ from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default="q4,none", help="--quantization forms")
+    parser.add_argument("--weights", default="q4,none",
+                        help="--quantization forms; +a8: with --prefill-activations int8")
     parser.add_argument("--rows", default="1,4,16,32", help="sequences per step")
     parser.add_argument("--context", type=int, default=256, help="tokens in each context")
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--levels", default=None,
+                        help="native steps at these instruction-set levels (default: the one "
+                             "that loads)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
+    loaded = native.isa_level()
+    levels = args.levels.split(",") if args.levels else [loaded or "native"]
+    libs = {}
+    for level in levels if loaded else []:
+        built = native.library(level=level)
+        if built is None:
+            sys.exit(f"the native kernels cannot be built here at the {level} level")
+        libs[level] = built
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"native ISA level {native.isa_level()} (BATCHINFER_CPU_ISA); contexts of "
+          f"native ISA level {loaded} (BATCHINFER_CPU_ISA); contexts of "
           f"{args.context} tokens; median of {args.repeats} steps")
-    print(f"{'weights':8}{'rows':>6}{'torch ms':>10}{'native ms':>11}{'speed-up':>10}"
-          f"{'engine runs':>13}")
+    named = len(levels) > 1
+    print(f"{'weights':8}{'rows':>6}{'torch ms':>10}"
+          + "".join(f"{(level + ' ms') if named else 'native ms':>13}{'speed-up':>10}"
+                    for level in levels) + f"{'engine runs':>13}")
     chosen: list[tuple[bool, ...]] = []
 
     def keep_every_bucket(decoder: NativeDecoder, *rest: Any) -> tuple[bool, ...]:
@@ -52,9 +73,11 @@ def main() -> None:
     for form in args.weights.split(","):
         chosen.clear()
         model_runner.choose_buckets = keep_every_bucket
+        quantization, _, extra = form.partition("+")
         try:
-            llm = LLM("default", dtype="float32", quantization=form,
-                      enable_prefix_caching=False, kv_cache_memory="1G")
+            llm = LLM("default", dtype="float32", quantization=quantization,
+                      enable_prefix_caching=False, kv_cache_memory="1G",
+                      prefill_activations="int8" if extra == "a8" else "int16")
         finally:
             model_runner.choose_buckets = choose_buckets
         runner = llm.engine.worker.runner
@@ -73,7 +96,9 @@ def main() -> None:
                 block_size, torch.device("cpu"))
             ways = {"torch": runner._torch_logits}
             if decoder is not None and decoder.accepts(inputs):
-                ways["native"] = decoder.logits
+                for level, lib in libs.items():
+                    ways[level] = NativeDecoder(lib, decoder.model, decoder.backend,
+                                                decoder.buckets).logits
             times: dict[str, list[float]] = {name: [] for name in ways}
             with torch.inference_mode():
                 for step in range(args.repeats + 1):
@@ -83,10 +108,10 @@ def main() -> None:
                         if step:  # the first of each is a warm-up
                             times[name].append(time.perf_counter() - start)
             ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-            cell = f"{ms['native']:11.1f}{ms['torch'] / ms['native']:9.2f}x" if (
-                "native" in ms) else f"{'-':>11}{'':>10}"
+            cells = "".join(f"{ms[level]:13.1f}{ms['torch'] / ms[level]:9.2f}x" if (
+                level in ms) else f"{'-':>13}{'':>10}" for level in levels)
             bucket = BUCKET_NAMES[bucket_of(rows)]
-            print(f"{form:8}{rows:6}{ms['torch']:10.1f}{cell}"
+            print(f"{form:8}{rows:6}{ms['torch']:10.1f}{cells}"
                   f"{'native' if bucket in taken else 'torch':>13}", flush=True)
         if decoder is None:
             print(f"{form}: no native decode steps ({why})")

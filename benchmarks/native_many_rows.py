@@ -1,6 +1,7 @@
 """The native CPU kernels at prefill and encoder sizes, against what they replace.
 
     .venv/bin/python benchmarks/native_many_rows.py [--rounds 15] [--threads N]
+        [--cases encoder,prefill,products] [--levels avx512,avx2,portable]
 
 - encoder attention: `native.packed_attention` (unmasked, all-MiniLM-L6-v2's 12 heads of 32)
   against the packed encoder's SDPA path (one call per run of equally long sentences), for
@@ -9,8 +10,12 @@
   against one SDPA call per prompt (`prefill.chunk_attention`), for one 512-token prompt, ten
   of 200 and 32 of 64;
 - products: `F.linear` against the q4 and q8 native kernels with 16-bit inputs and with 8-bit
-  ones (`--prefill-activations int8`; the same as 16-bit where the CPU has no AVX-512 VNNI), on
-  SmolLM2's gate+up and down shapes at 256 and 1,024 rows.
+  ones (`--prefill-activations int8`; the same as 16-bit where the level has no 8-bit products:
+  portable, NEON without dot products, AVX-512 without VNNI), on SmolLM2's gate+up and down
+  shapes at 256 and 1,024 rows.
+
+`--levels`: every native contender once per instruction-set level named (`BATCHINFER_CPU_ISA`'s
+names, each built for this CPU), side by side in the same rounds.
 
 Every case runs its contenders in turn, `--rounds` times (a load that comes and goes falls on
 all); medians in ms, and each one's speedup over the first.
@@ -19,6 +24,7 @@ all); medians in ms, and each one's speedup over the first.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 import statistics
 import sys
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from batchinfer import native
 from batchinfer.models.linear_kernels import WeightForms
 from batchinfer.models.packed_encoder import _equal_length_runs
+from batchinfer.native.linear import NativeLinear
 from batchinfer.runner.backends.prefill import chunk_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,18 +57,27 @@ def race(name: str, contenders: dict[str, Callable[[], object]], rounds: int) ->
             seconds[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(v) * 1e3 for key, v in seconds.items()}
     base = next(iter(medians.values()))
-    print(f"{name:34}" + "".join(f"{key:>14} {ms:7.2f} ms ({base / ms:4.2f}x)"
-                                   for key, ms in medians.items()))
+    print(name)
+    for key, ms in medians.items():
+        print(f"  {key:24}{ms:9.2f} ms {base / ms:6.2f}x", flush=True)
 
 
-def encoder_attention(lib: object, rounds: int) -> None:
+def natives(libs: dict[str, ctypes.CDLL], run: Callable[[ctypes.CDLL], object]
+            ) -> dict[str, Callable[[], object]]:
+    """`run` on each level's library, named `native` (one level) or by the level."""
+    return {("native" if len(libs) == 1 else level): partial(run, lib)
+            for level, lib in libs.items()}
+
+
+def encoder_attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
     rng = random.Random(0)
     for around in (40, 130, 250):
-        encoder_case(lib, sorted(rng.randint(around - 4, around + 4) for _ in range(32)),
+        encoder_case(libs, sorted(rng.randint(around - 4, around + 4) for _ in range(32)),
                      f"encoder, 32 x ~{around} tokens", rounds)
 
 
-def encoder_case(lib: object, lengths: list[int], name: str, rounds: int) -> None:
+def encoder_case(libs: dict[str, ctypes.CDLL], lengths: list[int], name: str, rounds: int
+                 ) -> None:
     heads, head_dim = 12, 32
     q, k, v = (torch.randn(sum(lengths), heads * head_dim) for _ in range(3))
     runs = _equal_length_runs(lengths)
@@ -77,16 +93,16 @@ def encoder_case(lib: object, lengths: list[int], name: str, rounds: int) -> Non
             start = end
         return out
 
-    race(name, {"sdpa": sdpa,
-                "native": lambda: native.packed_attention(lib, q, k, v, lengths, heads)}, rounds)
+    race(name, {"sdpa": sdpa, **natives(libs, lambda lib: native.packed_attention(
+        lib, q, k, v, lengths, heads))}, rounds)
 
 
-def prefill_attention(lib: object, rounds: int) -> None:
+def prefill_attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
     for lengths in ([512], [200] * 10, [64] * 32):
-        prefill_case(lib, lengths, rounds)
+        prefill_case(libs, lengths, rounds)
 
 
-def prefill_case(lib: object, lengths: list[int], rounds: int) -> None:
+def prefill_case(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> None:
     heads, kv_heads, head_dim = 9, 3, 64
     total = sum(lengths)
     q = torch.randn(total, heads * head_dim)
@@ -104,28 +120,31 @@ def prefill_case(lib: object, lengths: list[int], rounds: int) -> None:
         return out
 
     race(f"prefill, {len(lengths)} x {lengths[0]} tokens", {
-        "sdpa": sdpa,
-        "native": lambda: native.packed_attention(lib, q, k, v, lengths, heads, causal=True)},
-        rounds)
+        "sdpa": sdpa, **natives(libs, lambda lib: native.packed_attention(
+            lib, q, k, v, lengths, heads, causal=True))}, rounds)
 
 
-def products(rounds: int) -> None:
+def products(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
     for n, k in ((3072, 576), (576, 1536)):
         weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)
         for rows in (256, 1024):
-            product_case(weight, bias, torch.randn(rows, k), rounds)
+            product_case(libs, weight, bias, torch.randn(rows, k), rounds)
 
 
-def product_case(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, rounds: int
-                 ) -> None:
+def product_case(libs: dict[str, ctypes.CDLL], weight: torch.Tensor, bias: torch.Tensor,
+                 x: torch.Tensor, rounds: int) -> None:
     forms = WeightForms(weight, bias)
     contenders: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, weight, bias)}
     for name in ("q4_native", "q8_native"):
-        wide = forms.kernel(name)
-        eight = WeightForms(weight, bias).kernel(name)
-        eight.int8_inputs = True  # type: ignore[union-attr]
-        contenders[f"{name[:2]} 16-bit"] = partial(wide, x)
-        contenders[f"{name[:2]} 8-bit"] = partial(eight, x)
+        built = forms.kernel(name)
+        assert isinstance(built, NativeLinear)
+        for level, lib in libs.items():
+            wide = NativeLinear(lib, built.struct.kind, built.n, built.k, built.tensors, bias)
+            eight = NativeLinear(lib, built.struct.kind, built.n, built.k, built.tensors, bias)
+            eight.int8_inputs = True
+            tag = f"{level} {name[:2]}" if len(libs) > 1 else name[:2]
+            contenders[f"{tag} 16-bit"] = partial(wide, x)
+            contenders[f"{tag} 8-bit"] = partial(eight, x)
     n, k = weight.shape
     race(f"product {n}x{k}, {x.shape[0]} rows", contenders, rounds)
 
@@ -134,18 +153,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cases", default="encoder,prefill,products",
+                        help="which of encoder, prefill, products to run")
+    parser.add_argument("--levels", default=None,
+                        help="the instruction-set levels to compare (default: the one that "
+                             "loads)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lib = native.library()
     if lib is None:
         sys.exit("the native kernels cannot be built here")
+    libs = {}
+    for level in args.levels.split(",") if args.levels else [native.isa_level(lib)]:
+        built = native.library(level=level)
+        if built is None:
+            sys.exit(f"the native kernels cannot be built here at the {level} level")
+        libs[level] = built
+    eight = ", ".join(f"{level} {'yes' if built.bi_act8() else 'no'}"
+                      for level, built in libs.items())
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"8-bit inputs: {'yes' if lib.bi_act8() else 'no (AVX-512 VNNI missing)'}")
+          f"level {native.isa_level(lib)}; 8-bit inputs: {eight}")
+    cases = args.cases.split(",")
     with torch.inference_mode():
-        encoder_attention(lib, args.rounds)
-        prefill_attention(lib, args.rounds)
-        products(args.rounds)
+        if "encoder" in cases:
+            encoder_attention(libs, args.rounds)
+        if "prefill" in cases:
+            prefill_attention(libs, args.rounds)
+        if "products" in cases:
+            products(libs, args.rounds)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class FakeWorker:
     preemption_costs: PreemptionCosts | None = None
     structured_outputs: None = None
     step_costs: StepCosts | None = None
+    kv_window: int | None = None
 
 
 class RecordingRunner(FakeRunner):

@@ -1,12 +1,15 @@
-"""GGUF -> HF folder conversion: a tiny llama.cpp-style GGUF (quick) and the embedded default."""
+"""GGUF -> HF folder conversion: a tiny llama.cpp-style GGUF of each family (quick) and the
+embedded default."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -18,9 +21,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.models import ModelSpec, load_model
 from batchinfer.models import gguf as gguf_module
-from batchinfer.models import load_model
 from batchinfer.models.registry import default_gguf_path
+from batchinfer.models.rope import rope_tables
 from tests.tiny_models import CHAT_TEMPLATE, EOS_TOKEN_ID, dense_attention, make_tiny_gguf
 
 
@@ -307,3 +311,80 @@ def test_default_model_greedy_decode_matches_transformers(default_model) -> None
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert "Paris" in outs[0].outputs[0].text
+
+
+# family -> make_tiny_llama overrides: each family's own tensors and keys in play (Gemma 3 has
+# six layers so that its sixth, llama.cpp's fixed pattern, is global).
+FAMILY_GGUFS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("qwen2", {}),
+    "phi3": ("phi3", {"sliding_window": 12}),
+    "phi3-longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.0 + 0.9 * i for i in range(8)]}}),
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16, "sliding_window": 12,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
+    "gemma3": ("gemma3", {"query_pre_attn_scalar": 16, "sliding_window": 12,
+                          "num_hidden_layers": 6, "rope_parameters": {
+                              "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": 10_000.0}}}),
+    "qwen3-moe": ("qwen3_moe", {"norm_topk_prob": True}),
+}
+
+
+def _gguf_dequantized(gguf_path: Path, expected: dict[str, torch.Tensor]) -> None:
+    """Replace in `expected` (HF names) the tensors the GGUF stores quantized by their
+    dequantized values: the 2-D `ffn_down` and each expert of a `ffn_down_exps`."""
+    for tensor in gguf.GGUFReader(gguf_path).tensors:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+            continue
+        layer = tensor.name.split(".")[1]
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        if ".ffn_down_exps." in tensor.name:
+            for expert, matrix in enumerate(values):
+                expected[f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"] = matrix
+        else:
+            expected[f"model.layers.{layer}.mlp.down_proj.weight"] = values
+
+
+@pytest.mark.parametrize("case", list(FAMILY_GGUFS))
+def test_family_gguf_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 case: str) -> None:
+    """A GGUF written as llama.cpp writes each family (its arch name, tensor names and keys;
+    Gemma's norms plus one, a MoE's stacked experts) converts back to the HF folder's weights
+    (the Q8_0 ones: their rounding) and config, and generates transformers' greedy tokens."""
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    family, overrides = FAMILY_GGUFS[case]
+    gguf_path, hf_folder = make_tiny_gguf(tmp_path, arch=family, **overrides)
+    loaded = load_model(str(gguf_path), torch.float32, "cpu")
+    original = ModelSpec.from_hf_config(json.loads((hf_folder / "config.json").read_text()))
+    # GGUF keeps floats in float32: the epsilon, and the RoPE its tables are made of.
+    assert loaded.spec.rms_norm_eps == pytest.approx(original.rms_norm_eps)
+    for served in (64, 512):
+        ours, theirs = (rope_tables(s.head_dim, s.rope_theta, s.rope_scaling, 512, served)
+                        for s in (loaded.spec, original))
+        for table, want in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(table, want, atol=1e-6, rtol=1e-6)
+    assert dataclasses.replace(loaded.spec, rms_norm_eps=original.rms_norm_eps,
+                               rope_scaling=original.rope_scaling) == original
+    converted = load_file(loaded.path / "model.safetensors")
+    expected = load_file(hf_folder / "model.safetensors")
+    _gguf_dequantized(gguf_path, expected)
+    assert converted.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(converted[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+    # LongRoPE takes its short factors for a server within its original context, as
+    # transformers takes them for these short sequences.
+    within = {"max_model_len": 64} if "longrope" in case else {}
+    llm = LLM(str(gguf_path), dtype="float32", kv_cache_memory="16M", **within)
+    prompt = loaded.tokenizer("The capital of France is a city").input_ids
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ours = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    reference = AutoModelForCausalLM.from_pretrained(loaded.path,
+                                                     attn_implementation="eager").eval()
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert ours == tokens[len(prompt):]

@@ -20,6 +20,7 @@ from torch import nn
 from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput, TokenLogprobs
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models import llama
+from batchinfer.runner.input_batch import prepare_inputs
 from batchinfer.runner.model_runner import AttentionFn, ModelRunner
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 48, 32, 4, 2, 8, 2
@@ -221,8 +222,9 @@ def test_prefill_equals_dense_reference(backend: str) -> None:
         ]
     )
     with torch.inference_mode():
-        logits, rows = runner.compute_logits(scheduled)
-    assert rows == [0] and logits.shape == (1, VOCAB)
+        inputs = prepare_inputs(scheduled.sequences, runner.block_size, runner.device)
+        logits = runner.compute_logits(inputs)
+    assert inputs.sampled_seq_indices == [0] and logits.shape == (1, VOCAB)
     torch.testing.assert_close(logits[0], dense_last_logits(model, PROMPT_A), atol=1e-5, rtol=0)
 
 

@@ -185,7 +185,8 @@ MINIMAL_CONFIG = {
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling type 'yarn'"),
+        ("rope_parameters", {"rope_type": "proportional", "factor": 4.0},
+         "rope_scaling type 'proportional'"),
         ("hidden_act", "gelu", "hidden_act"),
         ("num_key_value_heads", 3, "not a multiple of num_key_value_heads"),
         ("num_hidden_layers", None, "'num_hidden_layers'"),

@@ -33,6 +33,7 @@ from batchinfer.native.linear import NativeLinear, dequantize_q8, pack_q8, quant
 from batchinfer.runner.input_batch import prepare_inputs
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
+from tests.test_native_levels import has_act8
 from tests.tiny_models import make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -118,18 +119,22 @@ def _act8_reference(x, w_int, scale, offset, bias):
     return y + bias
 
 
-def test_8_bit_inputs_compute_the_rounded_product(lib):
-    """`prefill_activations int8` (where the CPU has AVX-512 VNNI): products of 8 rows and
-    more (threads sharing the tiles below 32 rows a thread, taking blocks of rows from there;
-    one thread here) round each input group to 8 bits, which moves them off the 16-bit results
-    but exactly onto what the rounding implies; fewer rows keep 16 bits. Elsewhere nothing
-    changes."""
+def _one_thread(check, *args) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _check_8_bit_inputs(lib)
+        check(*args)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_8_bit_inputs_compute_the_rounded_product(lib):
+    """`prefill_activations int8` (where the level has 8-bit products: AVX-512 VNNI, AVX2):
+    products of 8 rows and more (threads sharing the tiles below 32 rows a thread, taking
+    blocks of rows from there; one thread here) round each input group to 8 bits, which moves
+    them off the 16-bit results but exactly onto what the rounding implies; fewer rows keep 16
+    bits. Elsewhere nothing changes."""
+    _one_thread(_check_8_bit_inputs, lib)
 
 
 def _check_8_bit_inputs(lib):
@@ -437,41 +442,40 @@ def test_decode_steps_of_many_sequences_take_8_bit_inputs_as_the_torch_products_
     groups; the products themselves are checked exactly in `test_8_bit_inputs_...`). At 5
     sequences both keep 16 bits."""
     if not lib.bi_act8():
-        pytest.skip("no AVX-512 VNNI here: no 8-bit inputs")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        loaded, runner = _llama(tmp_path, "q4", "q4_native")
-        assert set_int8_inputs(loaded.model) > 0
-        decoder, _ = NativeDecoder.build(loaded.model, runner.attention)
-        assert decoder is not None and decoder.int8_inputs()
-        params = SamplingParams(max_tokens=8, temperature=0)
-        seqs = _sequences([5 + i for i in range(40)], loaded.spec.vocab_size, seed=4)
-        with torch.inference_mode():
-            runner.execute(SchedulerOutput([
-                ScheduledSequence(s["id"], s["tokens"], 0, s["table"], True, params,
-                                  len(s["tokens"])) for s in seqs]))
-            for rows in (40, 12, 5):
-                inputs = prepare_inputs([
-                    ScheduledSequence(s["id"], [7], len(s["tokens"]), s["table"], True, params,
-                                      len(s["tokens"])) for s in seqs[:rows]], BLOCK_SIZE, CPU)
-                eight = decoder.logits(inputs).clone()
-                for entry in decoder._structs:
-                    if entry is not None:
-                        entry[0].act8 = 0
-                wide = decoder.logits(inputs).clone()
-                for entry in decoder._structs:
-                    if entry is not None:
-                        entry[0].act8 = 1
-                torch_side = runner._torch_logits(inputs)
-                if rows >= 8:
-                    assert ((eight - torch_side).abs().mean()
-                            < 0.5 * (wide - torch_side).abs().mean()), rows
-                else:
-                    assert torch.equal(eight, wide)
-                    assert relative_error(wide, torch_side) < 1e-3
-    finally:
-        torch.set_num_threads(threads)
+        pytest.skip(f"the {native.isa_level(lib)} level has no 8-bit inputs")
+    _one_thread(_check_8_bit_decode_steps, tmp_path)
+
+
+def _check_8_bit_decode_steps(tmp_path):
+    loaded, runner = _llama(tmp_path, "q4", "q4_native")
+    assert set_int8_inputs(loaded.model) > 0
+    decoder, _ = NativeDecoder.build(loaded.model, runner.attention)
+    assert decoder is not None and decoder.int8_inputs()
+    params = SamplingParams(max_tokens=8, temperature=0)
+    seqs = _sequences([5 + i for i in range(40)], loaded.spec.vocab_size, seed=4)
+    with torch.inference_mode():
+        runner.execute(SchedulerOutput([
+            ScheduledSequence(s["id"], s["tokens"], 0, s["table"], True, params,
+                              len(s["tokens"])) for s in seqs]))
+        for rows in (40, 12, 5):
+            inputs = prepare_inputs([
+                ScheduledSequence(s["id"], [7], len(s["tokens"]), s["table"], True, params,
+                                  len(s["tokens"])) for s in seqs[:rows]], BLOCK_SIZE, CPU)
+            eight = decoder.logits(inputs).clone()
+            for entry in decoder._structs:
+                if entry is not None:
+                    entry[0].act8 = 0
+            wide = decoder.logits(inputs).clone()
+            for entry in decoder._structs:
+                if entry is not None:
+                    entry[0].act8 = 1
+            torch_side = runner._torch_logits(inputs)
+            if rows >= 8:
+                assert ((eight - torch_side).abs().mean()
+                        < 0.5 * (wide - torch_side).abs().mean()), rows
+            else:
+                assert torch.equal(eight, wide)
+                assert relative_error(wide, torch_side) < 1e-3
 
 
 def test_native_decode_refuses_what_it_cannot_run(lib, tmp_path):
@@ -696,9 +700,10 @@ def test_every_isa_level_computes_the_products_of_their_weights(level, monkeypat
 def test_every_isa_level_computes_the_same_attention_and_decode_steps(level, lib, tmp_path,
                                                                       monkeypatch):
     """Each level's build other than the default one (which the rest of this file tests):
-    packed attention, the KV cache conversions, the element-wise passes, the 16-bit inputs
-    where 8-bit ones are asked for without AVX-512 VNNI, and decode steps over float32,
-    float16, bfloat16 and e5m2 caches (head sizes 16 and 64) give what torch gives."""
+    packed attention, the KV cache conversions, the element-wise passes, products and decode
+    steps with 8-bit inputs where the level has them (else the 16-bit inputs where 8-bit ones
+    are asked for), and decode steps over float32, float16, bfloat16 and e5m2 caches (head
+    sizes 16 and 64) give what torch gives."""
     built = _level_library(level)
     if level == native.isa_level(lib):
         pytest.skip("the default build: tested by the rest of this file")
@@ -706,13 +711,18 @@ def test_every_isa_level_computes_the_same_attention_and_decode_steps(level, lib
     check_packed_attention(built)
     _check_kv_conversions(built)
     _check_elementwise(built)
-    assert built.bi_act8() == 0  # no 8-bit input path: the 16-bit one runs
-    w, b = weights(48, 64)
-    q4 = WeightForms(w, b).kernel("q4_native")
-    many = torch.randn(70, 64)
-    wide = q4(many)
-    q4.int8_inputs = True
-    assert torch.equal(q4(many), wide)
+    # 8-bit products: AVX2, AVX-512 VNNI, NEON dot products; elsewhere the 16-bit inputs run
+    assert built.bi_act8() == has_act8(level)
+    if built.bi_act8():
+        _one_thread(_check_8_bit_inputs, built)
+        _one_thread(_check_8_bit_decode_steps, tmp_path / "act8")
+    else:
+        w, b = weights(48, 64)
+        q4 = WeightForms(w, b).kernel("q4_native")
+        many = torch.randn(70, 64)
+        wide = q4(many)
+        q4.int8_inputs = True
+        assert torch.equal(q4(many), wide)
     head64 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
               "vocab_size": 320, "intermediate_size": 256}  # the fixed-size attention kernels
     for name, kv_dtype, overrides in (("f32", torch.float32, {}),

@@ -38,7 +38,8 @@ def read(path: Path) -> list[dict]:
 
 
 def flags(model: Path) -> list[str]:
-    return ["--model", str(model), "--no-progress", "--max-num-seqs", "4", "--seed", "0"]
+    return ["--model", str(model), "--no-progress", "--max-num-seqs", "4", "--seed", "0",
+            "--kv-cache-memory", "64M"]
 
 
 def test_answers_in_input_order_with_each_lines_params(tmp_path: Path, model: Path) -> None:

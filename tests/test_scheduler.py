@@ -34,7 +34,8 @@ def check_step(sched: Scheduler, out, config: EngineConfig) -> None:
     free = set(bm._free)
     for seq in out.sequences:
         assert not free & set(seq.block_table), "a scheduled sequence references a free block"
-        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + seq.num_tokens
+        held = len(seq.block_table) + seq.num_dropped_blocks  # dropped: outside the window
+        assert held * bm.block_size >= seq.num_computed_tokens + seq.num_tokens
     assert out.num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(out.sequences) <= config.max_num_seqs
     assert len(sched.running) <= config.max_num_seqs

@@ -18,7 +18,7 @@ import uvicorn
 
 from batchinfer import LLM, SamplingParams, native
 from batchinfer.core.config import EngineConfig
-from batchinfer.server import serving
+from batchinfer.server import rendering
 from batchinfer.server.app import ServerConfig, build_app
 from tests.tiny_models import make_tiny_llama
 
@@ -218,7 +218,7 @@ def test_long_stream_hands_each_token_text_to_the_writer_once(tmp_path, monkeypa
     event loop; cumulative outputs would hand it ~2,000 x the text)."""
     model = str(make_tiny_llama(tmp_path, max_position_embeddings=2048))
     handed = {"chars": 0, "tokens": 0}
-    chunks = serving._Renderer.chunks
+    chunks = rendering.Renderer.chunks
 
     def counting(self, event):
         for completion in event[1].outputs:
@@ -226,7 +226,7 @@ def test_long_stream_hands_each_token_text_to_the_writer_once(tmp_path, monkeypa
             handed["tokens"] += len(completion.token_ids)
         return chunks(self, event)
 
-    monkeypatch.setattr(serving._Renderer, "chunks", counting)
+    monkeypatch.setattr(rendering.Renderer, "chunks", counting)
     with run_server(build_app(EngineConfig.from_kwargs(model=model, **ENGINE))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         stream = client.completions.create(model="default", prompt="hello", max_tokens=2000,

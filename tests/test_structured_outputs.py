@@ -24,7 +24,8 @@ SCHEMA = {"type": "object",
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    return LLM(str(make_tiny_llama(tmp_path_factory.mktemp("tiny"))), max_model_len=512)
+    return LLM(str(make_tiny_llama(tmp_path_factory.mktemp("tiny"))), max_model_len=512,
+               kv_cache_memory=16 << 20)
 
 
 def test_constrained_requests_match_their_spec_beside_unconstrained_ones(llm):
@@ -74,3 +75,31 @@ def test_logit_bias_moves_greedy_decoding(llm):
     biased = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                                     logit_bias={target: 100.0}))
     assert biased[0].outputs[0].token_ids == [target] * 4
+
+
+def test_json_strings_take_only_valid_utf8_and_count_code_points():
+    """A byte-level vocabulary can spell a UTF-16 surrogate's three UTF-8-like bytes, which
+    xgrammar's own string classes admit; the schema grammar refuses them (so every string
+    decodes without U+FFFD), and a bounded string counts one code point per repetition (so it
+    holds no escapes; a free string does)."""
+    import xgrammar as xgr
+
+    from batchinfer.runner.structured import _json_schema_grammar
+
+    vocab = [bytes([i]) for i in range(256)]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW))
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "minLength": 2, "maxLength": 3}, "b": {"type": "string"}},
+        "required": ["a", "b"], "additionalProperties": False}
+    grammar = compiler.compile_grammar(_json_schema_grammar(json.dumps(schema)))
+
+    def accepts(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(b) for b in text) and matcher.is_completed()
+
+    assert accepts('{"a": "é\U00102de7", "b": "\\u00e9\\n\\""}'.encode())
+    assert not accepts(b'{"a": "x\\n", "b": ""}')  # no escapes in a bounded string
+    assert not accepts(b'{"a": "x\xed\xb7\xa7", "b": ""}')  # a surrogate in a bounded string
+    assert not accepts(b'{"a": "xy", "b": "\xed\xa0\x80"}')  # ... and in a free one
+    assert not accepts(b'{"a": "x\x01", "b": ""}')  # raw control characters are not JSON
+    assert not accepts(b'{"a": "abcd", "b": ""}')  # 4 > maxLength

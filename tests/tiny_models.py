@@ -15,6 +15,8 @@ mapping, permutation or RoPE changes the logits well beyond float32 noise.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +28,19 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from batchinfer.models import AttentionFn
+from batchinfer.models.spec import LayerAttention
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 BOS_TOKEN_ID = 1
@@ -54,7 +60,8 @@ _CORPUS = [
 ] * 4
 
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
-            "qwen3": Qwen3Config, "phi3": Phi3Config}
+            "qwen3": Qwen3Config, "phi3": Phi3Config, "gemma2": Gemma2Config,
+            "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
 def make_tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
@@ -109,6 +116,10 @@ def make_tiny_llama(tmp_path: Path, arch: str = "llama", seed: int = 0, **overri
         params["sliding_window"] = None
     if arch == "phi3":
         params["pad_token_id"] = 0
+    if arch in ("gemma2", "gemma3"):  # Gemma's defaults are a real model's: made tiny here
+        params.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=4096, pad_token_id=0)
+    if arch == "qwen3_moe":  # 8 experts of 32, two per token
+        params.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     params.update(overrides)
     config = _CONFIGS[arch](**params)
     torch.manual_seed(seed)
@@ -171,6 +182,17 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# What llama.cpp's converter names differently per family (the HF family of make_tiny_llama),
+# and its GGUF architecture name.
+_GGUF_FAMILY_NAMES = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma2": {"post_attention_layernorm": "attn_post_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "qwen3_moe": {"mlp.gate": "ffn_gate_inp"},
+}
+_GGUF_FAMILY_NAMES["gemma3"] = _GGUF_FAMILY_NAMES["gemma2"]
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -186,19 +208,21 @@ def make_tiny_gguf(
     tmp_path: Path, seed: int = 0, rope_freqs: np.ndarray | None = None, arch: str = "llama",
     **overrides: Any
 ) -> tuple[Path, Path]:
-    """A tiny `arch` ("llama" | "qwen3") model written as a GGUF the way llama.cpp's converter
-    does; (gguf, HF folder).
+    """A tiny `arch` (a family of `make_tiny_llama`) model written as a GGUF the way
+    llama.cpp's converter does; (gguf, HF folder).
 
-    Tensors are float32 except `blk.*.ffn_down`, stored as Q8_0 (so those differ from the HF
-    folder by the Q8_0 rounding); a Llama's Q/K rows are permuted as llama.cpp permutes them.
-    The tokenizer is stored as llama.cpp's "gpt2" BPE metadata, with the ChatML chat template.
-    `rope_freqs` adds llama.cpp's Llama-3 `rope_freqs.weight`.
+    Tensors are float32 except `blk.*.ffn_down` (and a MoE's `ffn_down_exps`), stored as Q8_0
+    (so those differ from the HF folder by the Q8_0 rounding); a Llama's Q/K rows are permuted
+    as llama.cpp permutes them, Gemma's norm weights stored plus one, a MoE layer's experts
+    stacked into one 3-D tensor per projection. The tokenizer is stored as llama.cpp's "gpt2"
+    BPE metadata, with the ChatML chat template. `rope_freqs` adds llama.cpp's Llama-3
+    `rope_freqs.weight`.
     """
     folder = make_tiny_llama(tmp_path, arch, seed=seed, **overrides)
     config = json.loads((folder / "config.json").read_text())
     tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
     path = tmp_path / f"tiny-{arch}.gguf"
-    writer = gguf.GGUFWriter(path, arch=arch)
+    writer = gguf.GGUFWriter(path, arch=_GGUF_ARCH.get(arch, arch))
     writer.add_name(f"tiny {arch}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -206,14 +230,22 @@ def make_tiny_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    _add_family_keys(writer, arch, config)
     _add_tokenizer(writer, tokenizer_json)
-    for name, tensor in load_file(folder / "model.safetensors").items():
-        _add_tensor(writer, name, tensor.numpy(), config, permute=arch == "llama")
+    tensors = load_file(folder / "model.safetensors")
+    for name, tensor in _stack_experts(tensors).items():
+        weight = tensor.numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            weight = weight + 1.0  # as llama.cpp's Gemma converter stores the norms
+        _add_tensor(writer, name, weight, config, permute=arch == "llama",
+                    names={**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_NAMES.get(arch, {})})
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
@@ -221,6 +253,51 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path, folder
+
+
+def _add_family_keys(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
+    """The keys llama.cpp's converter writes for this family alone."""
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
+    if arch.startswith("gemma"):  # Gemma's GGUFs name an unknown token (its tokenizer needs one)
+        writer.add_unk_token_id(0)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    scaling = config.get("rope_parameters") or {}
+    if arch == "phi3" and scaling.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 does
+        original = config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for name in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{name}.weight",
+                              np.array(scaling[f"{name}_factor"], dtype=np.float32))
+    if arch == "qwen3_moe":
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A MoE layer's `mlp.experts.E.{gate,up,down}_proj.weight` stacked into one
+    `[experts, out, in]` tensor each, named `mlp.experts.{gate,up,down}_exps.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            stacked = ".".join([*parts[:at], "experts", parts[at + 2].replace("proj", "exps"),
+                                parts[-1]])
+            experts.setdefault(stacked, []).append((int(parts[at + 1]), tensor))
+        else:
+            out[name] = tensor
+    for name, members in experts.items():
+        out[name] = torch.stack([t for _, t in sorted(members, key=lambda m: m[0])])
+    return out
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: dict[str, Any]) -> None:
@@ -243,7 +320,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: dict[str, Any]) -> N
 
 def _add_tensor(
     writer: gguf.GGUFWriter, hf_name: str, weight: np.ndarray, config: dict[str, Any],
-    permute: bool,
+    permute: bool, names: dict[str, str] = _GGUF_LAYER_NAMES,
 ) -> None:
     if hf_name == "model.embed_tokens.weight":
         name = "token_embd.weight"
@@ -254,12 +331,14 @@ def _add_tensor(
     else:
         _, _, layer, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+        short = ("ffn_" + module.rpartition(".")[2] if module.startswith("mlp.experts.")
+                 else names[module])
+        name = f"blk.{layer}.{short}.{kind}"
     if permute and ".attn_q." in name:
         weight = llama_cpp_permute(weight, config["num_attention_heads"])
     elif permute and ".attn_k." in name:
         weight = llama_cpp_permute(weight, config["num_key_value_heads"])
-    if ".ffn_down." in name:
+    if ".ffn_down." in name or ".ffn_down_exps." in name:
         qtype = gguf.GGMLQuantizationType.Q8_0
         writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
     else:
@@ -269,19 +348,28 @@ def _add_tensor(
 # Reference attention callables for LlamaForCausalLM.forward (no paging, plain SDPA).
 
 
-def dense_attention(boundaries: list[tuple[int, int]]) -> AttentionFn:
-    """Causal attention within each [start, end) of the flat batch; no attention across them."""
+def dense_attention(boundaries: list[tuple[int, int]],
+                    layers: Sequence[LayerAttention] = ()) -> AttentionFn:
+    """Causal attention within each [start, end) of the flat batch; no attention across them.
+    `layers` (one per layer) gives each its scale, window and soft-cap (default: plain)."""
 
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         group = q.shape[1] // k.shape[1]
+        layer = layers[layer_idx] if layers else LayerAttention(q.shape[-1] ** -0.5)
         out = torch.empty_like(q)
         for start, end in boundaries:
             qs = q[start:end].transpose(0, 1)  # [heads, len, d]
             ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
             vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(
-                0, 1
-            )
+            scores = qs @ ks.transpose(1, 2) * layer.scale  # [heads, len, len]
+            if layer.softcap is not None:
+                scores = torch.tanh(scores / layer.softcap) * layer.softcap
+            positions = torch.arange(end - start)
+            hidden = positions[None, :] > positions[:, None]
+            if layer.window is not None:
+                hidden |= positions[None, :] <= positions[:, None] - layer.window
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+            out[start:end] = (probs @ vs).transpose(0, 1)
         return out
 
     return attention

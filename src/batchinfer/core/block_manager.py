@@ -12,6 +12,12 @@ blocks are reused least recently freed first, uncached ones before cached ones, 
 block is evicted (forgotten) only when it is reused. Only full blocks are shared and a full
 block is never written again, so sharing needs no copy-on-write.
 
+Sliding windows: where every layer of the model attends over a window, the leading blocks of a
+request that lie wholly before the window of its next query are read by no layer again, and
+`drop_blocks_before` frees them. A table then holds the request's blocks from number
+`num_dropped_blocks` on (position `p` is in `table[p // block_size - num_dropped_blocks]`); a
+dropped block is returned like a freed one (a cached one stays in the prefix cache).
+
 Invariants (`check_invariants`): every block is free (reference count 0, in the free pool once)
 or referenced by the tables that hold it (count = holders); free + used = total; a key maps to
 exactly one block, and that block carries the key.
@@ -74,6 +80,8 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         # Keys of each request's leading full blocks registered so far (the chain's tail).
         self._request_keys: dict[str, list[BlockKey]] = {}
+        # Leading blocks of a request dropped outside the sliding window (absent: none).
+        self._num_dropped: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,11 +104,16 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
+        """The blocks the request holds, from block number `num_dropped_blocks` on."""
         return self._tables.get(request_id, [])
+
+    def num_dropped_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request dropped outside the sliding window."""
+        return self._num_dropped.get(request_id, 0)
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Extra blocks the request needs so that its table holds `num_tokens` tokens."""
-        have = len(self._tables.get(request_id, ()))
+        have = len(self._tables.get(request_id, ())) + self.num_dropped_blocks(request_id)
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
     # ----------------------------------------------------------------- prefix cache
@@ -130,18 +143,37 @@ class BlockManager:
         out of it)."""
         return sum(1 for b in blocks if self._ref_counts[b] == 0)
 
-    def share(self, request_id: str, cached: Sequence[int]) -> None:
-        """Start a request's (empty) table with the `cached` blocks of its prefix."""
+    def share(self, request_id: str, cached: Sequence[int], first_block: int = 0) -> None:
+        """Start a request's (empty) table with the `cached` blocks of its prefix, holding
+        those from number `first_block` on (the ones before lie outside the sliding window:
+        dropped at once; with no `cached` blocks, the table starts at `first_block`)."""
         if self._tables.get(request_id):
             raise RuntimeError(f"request {request_id!r} already holds blocks")
         table = self._tables.setdefault(request_id, [])
         keys = self._request_keys.setdefault(request_id, [])
-        for block_id in cached:
+        if first_block:
+            self._num_dropped[request_id] = first_block
+        for index, block_id in enumerate(cached):
+            keys.append(self._block_key[block_id])  # type: ignore[arg-type]
+            if index < first_block:
+                continue
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
             table.append(block_id)
-            keys.append(self._block_key[block_id])  # type: ignore[arg-type]
+
+    def drop_blocks_before(self, request_id: str, first_block: int) -> int:
+        """Free the request's blocks numbered below `first_block` (they lie wholly outside the
+        sliding window of every query it has left); returns how many it held."""
+        dropped = self.num_dropped_blocks(request_id)
+        table = self._tables.get(request_id)
+        if first_block <= dropped or not table:
+            return 0
+        num = min(first_block - dropped, len(table))
+        self._release(table[:num])
+        del table[:num]
+        self._num_dropped[request_id] = dropped + num
+        return num
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the request's blocks that are full of computed tokens (`token_ids` holds at
@@ -154,12 +186,16 @@ class BlockManager:
         if num_full <= len(keys):
             return
         table = self._tables[request_id]
+        dropped = self.num_dropped_blocks(request_id)
         parent = key_digest(keys[-1]) if keys else ROOT_PARENT
         start = len(keys)
         new_keys = block_keys(token_ids[: num_full * self.block_size], self.block_size, parent,
                               start)
-        for block_id, key in zip(table[start:num_full], new_keys, strict=True):
-            keys.append(key)
+        for index, key in enumerate(new_keys, start):
+            keys.append(key)  # a dropped block's key still links the chain
+            if index < dropped:
+                continue
+            block_id = table[index - dropped]
             if key not in self._cached and self._block_key[block_id] is None:
                 self._cached[key] = block_id
                 self._block_key[block_id] = key
@@ -190,7 +226,12 @@ class BlockManager:
         stay in the free pool to be found again, the request's last blocks first in line for
         reuse; uncached ones go to the front."""
         self._request_keys.pop(request_id, None)
-        for block_id in reversed(self._tables.pop(request_id, ())):
+        self._num_dropped.pop(request_id, None)
+        self._release(self._tables.pop(request_id, ()))
+
+    def _release(self, blocks: Sequence[int]) -> None:
+        """One reference less on each of `blocks`; those nobody holds return to the pool."""
+        for block_id in reversed(blocks):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")

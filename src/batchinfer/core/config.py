@@ -26,6 +26,7 @@ ENCODER_QUANTIZATIONS = ("none", "int8", "q8")  # an encoder's weights
 PREFILL_ACTIVATIONS = ("int16", "int8")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 SELF_Q4 = "self-q4"  # speculative_model: this checkpoint's 4-bit form drafts
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # engine/tools.py's syntaxes
 LINEAR_KERNELS = ("auto", "dense", "packed", "int8", "int8_dense", "int8_native", "q4",
                   "q4_dense", "q4_native", "q8_native", "q8_dense")
 GiB = 1 << 30
@@ -125,10 +126,10 @@ class EngineConfig:
     prefill_activations: str = field(default="int16", metadata=_help(
         "CPU native kernels of quantized weights (q4, q8, int8) in the decoder layers: the "
         "inputs of products of 8 rows and more (prefill chunks; decode steps of 8+ sequences, "
-        "native or not) rounded per group of 32 to int16 (~1e-5 of "
-        "the group's largest value), or int8 (AVX-512 VNNI: products ~1.5x faster than with "
-        "int16; like llama.cpp's and OpenVINO's 8-bit activations, logits move by ~1e-2 of "
-        "their range, so fewer greedy tokens match float32's)"))
+        "native or not) rounded per group of 32 to int16 (~1e-5 of the group's largest value), "
+        "or int8 (AVX-512 VNNI, AVX2, Arm with dot products; products ~1.5x faster than with "
+        "int16, but q8 ones on AVX2 alike; like llama.cpp's and OpenVINO's 8-bit activations, "
+        "logits move by ~1e-2 of their range, so fewer greedy tokens match float32's)"))
     native_decode: bool = field(default=True, metadata=_help(
         "CPU float32: run decode steps (every sequence one token) as one native call per step, "
         "at the row counts where that measured faster than the torch model at start-up "
@@ -202,6 +203,11 @@ class EngineConfig:
     prompt_lookup_max: int = field(default=5, metadata=_help(
         "speculative_method ngram: the longest suffix looked up (the longest that matches "
         "proposes)"))
+    tool_call_parser: str = field(default="auto", metadata=_help(
+        "the tool-call syntax read from (and, for tool_choice required or a named function, "
+        "enforced on) a chat's output: hermes (<tool_call> JSON blocks: Qwen 2.5 / 3, Hermes, "
+        "and the fallback prompt of templates that take no tools), llama3_json (Llama 3.1+ "
+        "JSON objects), auto (from the chat template's text)"))
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -214,6 +220,7 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("linear_kernels", self.linear_kernels, LINEAR_KERNELS)
         check_choice("prefill_activations", self.prefill_activations, PREFILL_ACTIVATIONS)
+        check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.preset is not None:
             check_choice("preset", self.preset, tuple(PRESETS))
         if not isinstance(self.model, str) or not self.model:

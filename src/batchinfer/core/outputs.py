@@ -27,6 +27,9 @@ class ScheduledSequence:
     Invariant: `token_ids` are the sequence's tokens at positions
     `[num_computed_tokens, num_computed_tokens + len(token_ids))`, and `block_table` holds enough
     blocks for all of them. `all_token_ids` (prompt + output so far) is what penalties look at.
+    `block_table[0]` is the sequence's block number `num_dropped_blocks`: the blocks before it
+    lay wholly outside every layer's sliding window and were freed (the model reads no key
+    there).
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class ScheduledSequence:
     # (ngram); None with `num_spec_tokens` > 0: the runner's draft model proposes them.
     num_spec_tokens: int = 0
     spec_token_ids: list[int] | None = None
+    num_dropped_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -75,16 +75,26 @@ def plan_kept_kv(
     num_free_host_blocks: int,
     num_swap_blocks_left: int,
     costs: PreemptionCosts | None,
+    num_dropped_blocks: int = 0,
 ) -> KeptKV:
     """Swap a victim's computed blocks out (its leading ones, within what this step may still
     copy out, `num_swap_blocks_left`, and the free host blocks) or drop them, by `mode`
-    (`auto`: the cheaper by the measured `costs`)."""
+    (`auto`: the cheaper by the measured `costs`). A victim whose first `num_dropped_blocks`
+    were dropped outside the sliding window swaps all the blocks it holds or none: resuming
+    part way would need keys it no longer has."""
     computed = num_computed_tokens
-    num_blocks = cdiv(computed, block_size)
+    num_blocks = cdiv(computed, block_size) - num_dropped_blocks
     n = 0
-    if mode != "recompute" and computed:
+    if mode != "recompute" and num_blocks > 0:
         n = min(num_blocks, num_free_host_blocks, num_swap_blocks_left)
-    kept = computed if n == num_blocks else n * block_size
+    if num_dropped_blocks and n < num_blocks:
+        n = 0
+    if n == 0:
+        kept = 0
+    elif n == num_blocks:
+        kept = computed
+    else:
+        kept = n * block_size
     if (n and mode == "auto" and costs is not None
             and costs.swap_s(n, computed - kept) >= costs.recompute_s(computed)):
         n = kept = 0

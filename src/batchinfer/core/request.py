@@ -166,6 +166,9 @@ class Request:
     # Its preemption count when it first proposed with a draft model (None: never): the draft
     # model's K/V of its context is written from then on, until a preemption.
     spec_draft_started: int | None = None
+    # The block number `swap_blocks[0]` holds (those before it were dropped outside the
+    # sliding window before it was swapped out).
+    swap_first_block: int = 0
     wait_start_s: float = field(init=False)
     metrics: RequestMetrics = field(init=False)
 

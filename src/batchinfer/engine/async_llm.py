@@ -20,9 +20,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from batchinfer.core.config import EngineConfig
 from batchinfer.core.outputs import QUEUE_TIMEOUT, EngineCoreOutput, SchedulerStats
@@ -158,9 +158,11 @@ class AsyncLLM:
         return len(self._streams)
 
     # ----------------------------------------------------------------- requests
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) as the engine will see them; `ValueError` if bad."""
-        return self.engine.processor.tokenize(prompt)
+        return self.engine.processor.tokenize(prompt, tools)
 
     async def process(
         self,

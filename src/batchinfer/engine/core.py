@@ -65,12 +65,13 @@ class EngineCore:
         num_swap_blocks: int = 0,
         preemption_costs: PreemptionCosts | None = None,
         step_costs: StepCosts | None = None,
+        kv_window: int | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.clock = clock
         self.scheduler = Scheduler(config, num_blocks, max_model_len, clock, num_swap_blocks,
-                                   preemption_costs, step_costs)
+                                   preemption_costs, step_costs, kv_window)
         self.last_scheduler_output: SchedulerOutput | None = None
         self.swap_time_s = 0.0  # spent copying blocks to and from the swap space
 

@@ -61,6 +61,11 @@ class ModelWorker(Protocol):
     def step_costs(self) -> StepCosts | None: ...
 
     @property
+    def kv_window(self) -> int | None:
+        """The sliding window every layer attends over (None: some layer reads everything)."""
+        ...
+
+    @property
     def structured_outputs(self) -> GrammarCompiler | None: ...
 
 
@@ -82,10 +87,10 @@ class LLMEngine:
         self.model_name = worker.model_name
         self.core = EngineCore(config, worker.runner, worker.num_blocks, worker.max_model_len,
                                clock, worker.num_swap_blocks, worker.preemption_costs,
-                               worker.step_costs)
+                               worker.step_costs, worker.kv_window)
         self.processor = Processor(worker.tokenizer, worker.vocab_size, worker.max_model_len,
                                    worker.eos_token_ids, clock, config.special_tokens_in_chat,
-                                   worker.structured_outputs)
+                                   worker.structured_outputs, config.tool_call_parser)
         self.output_processor = OutputProcessor(worker.tokenizer)
 
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.core.structured_output import StructuredOutput
 from batchinfer.core.validation import ParamError
 from batchinfer.engine.inputs import Prompt, tokenize_prompt
+from batchinfer.engine.tools import tool_format_of
 
 
 @dataclass(slots=True)
@@ -60,9 +61,13 @@ class Processor:
         clock: Callable[[], float],
         special_tokens_in_chat: bool = False,
         grammars: GrammarCompiler | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.grammars = grammars
+        # The syntax of this model's tool calls (engine/tools.py).
+        self.tool_format = tool_call_parser if tool_call_parser != "auto" else \
+            tool_format_of(getattr(tokenizer, "chat_template", None))
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -70,10 +75,13 @@ class Processor:
         self.special_tokens_in_chat = special_tokens_in_chat
         self._serials = itertools.count()  # next() is atomic: process() runs on many threads
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) as the engine will see them."""
+    def tokenize(
+        self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) as the engine will see them; `tools` (OpenAI's
+        function tools) are rendered with a chat."""
         return tokenize_prompt(self.tokenizer, prompt, self.vocab_size,
-                               self.special_tokens_in_chat)
+                               self.special_tokens_in_chat, tools)
 
     def process(
         self,
@@ -82,12 +90,13 @@ class Processor:
         request_id: str | None = None,
         arrival_s: float | None = None,
         scheduling: SchedulingOptions | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> EngineRequest:
         """Tokenize, validate and fan out one request (not queued yet)."""
         params = params or SamplingParams()
         scheduling = scheduling or SchedulingOptions()
         self._check_against_model(params)
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt, tools)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "

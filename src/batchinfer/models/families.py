@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from batchinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from batchinfer.models.llama import LlamaForCausalLM
 from batchinfer.models.phi3 import Phi3ForCausalLM
 from batchinfer.models.qwen3 import Qwen3ForCausalLM
+from batchinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 from batchinfer.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -13,6 +15,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -2,10 +2,11 @@
 
 A GGUF file holds (often quantized) tensors under llama.cpp's names and the config and
 tokenizer as metadata. `convert_gguf` dequantizes every tensor to float32, renames it to the
-Hugging Face name, undoes the Q/K row permutation llama.cpp's converter applies to Llama-
-architecture models, rebuilds `config.json` from the `{arch}.*` keys and the tokenizer (with its
-chat template) through transformers' GGUF tokenizer converter, and writes it all as a plain
-folder. The folder is keyed by the file's name, size and mtime and appears atomically (written
+Hugging Face name, undoes what llama.cpp's converter changed for each architecture
+(`gguf_arch.py`: the Q/K row permutation of Llama, the one added to Gemma's norms, a MoE
+layer's experts stacked in one tensor), rebuilds `config.json` from the `{arch}.*` keys and
+the tokenizer (with its chat template) through transformers' GGUF tokenizer converter, and
+writes it all as a plain folder. The folder is keyed by the file's name, size and mtime and appears atomically (written
 to a temporary folder, then renamed), so a crash never leaves half a model in the cache.
 """
 
@@ -30,6 +31,13 @@ import torch
 from safetensors.torch import save_file
 
 from batchinfer.models.files import write_cache_json
+from batchinfer.models.gguf_arch import (
+    ARCHITECTURES,
+    EXPERT_TENSORS,
+    GGUFArch,
+    field_value,
+    required,
+)
 from batchinfer.models.rope import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
@@ -40,25 +48,6 @@ SHARD_BYTES = 2 * 1024**3
 # The converted folder's record of how the GGUF stored its matrices (`weight_format`).
 STORED_FORMAT = "gguf_weight_format.json"
 
-# GGUF `general.architecture` -> (HF architecture, model_type, Q/K rows permuted by llama.cpp)
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-}
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
-    "attn_k_norm": "self_attn.k_norm",
-}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -155,7 +144,7 @@ def _write_weight_format(folder: Path, stored: WeightFormat) -> None:
 
 def _weight_format(reader: gguf.GGUFReader) -> WeightFormat:
     counts = Counter(tensor.tensor_type.name for tensor in reader.tensors
-                     if tensor.name.startswith("blk.") and len(tensor.shape) == 2)
+                     if tensor.name.startswith("blk.") and len(tensor.shape) >= 2)
     if not counts:
         return WeightFormat("F32", "none", True)
     ggml_type = counts.most_common(1)[0][0]
@@ -191,27 +180,12 @@ def _open(gguf_path: Path) -> gguf.GGUFReader:
         raise ValueError(f"{gguf_path}: not a valid GGUF file ({exc})") from exc
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _required(reader: gguf.GGUFReader, key: str, gguf_path: Path) -> Any:
-    value = _field(reader, key)
-    if value is None:
-        raise ValueError(f"{gguf_path}: metadata key {key!r} is missing")
-    return value
+_field, _required = field_value, required
 
 
 def _hf_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:
     """`config.json` contents from the GGUF's `{arch}.*` and `tokenizer.ggml.*` keys."""
-    arch = _required(reader, "general.architecture", gguf_path)
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
-            f"{', '.join(_ARCHITECTURES)}"
-        )
-    hf_architecture, model_type, _ = _ARCHITECTURES[arch]
+    arch, family = _architecture(reader, gguf_path)
     hidden_size = _required(reader, f"{arch}.embedding_length", gguf_path)
     num_heads = _required(reader, f"{arch}.attention.head_count", gguf_path)
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", num_heads)
@@ -223,11 +197,11 @@ def _hf_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     tensor_names = {tensor.name for tensor in reader.tensors}
     config: dict[str, Any] = {
-        "architectures": [hf_architecture],
-        "model_type": model_type,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "num_hidden_layers": _required(reader, f"{arch}.block_count", gguf_path),
         "hidden_size": hidden_size,
-        "intermediate_size": _required(reader, f"{arch}.feed_forward_length", gguf_path),
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
@@ -244,20 +218,40 @@ def _hf_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:
         value = _field(reader, gguf_key)
         if value is not None:
             config[hf_key] = value
-    rope_scaling = _rope_scaling(reader, gguf_path, arch, config)
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
+    if family.config is not None:
+        config.update(family.config(reader, arch, gguf_path, config))
+    if config["intermediate_size"] is None:
+        raise ValueError(f"{gguf_path}: metadata key '{arch}.feed_forward_length' is missing")
+    if "rope_scaling" not in config:
+        rope_scaling = _rope_scaling(reader, gguf_path, arch, config)
+        if rope_scaling is not None:
+            config["rope_scaling"] = rope_scaling
     return config
+
+
+def _architecture(reader: gguf.GGUFReader, gguf_path: Path) -> tuple[str, GGUFArch]:
+    arch = _required(reader, "general.architecture", gguf_path)
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    return arch, ARCHITECTURES[arch]
 
 
 def _rope_scaling(
     reader: gguf.GGUFReader, gguf_path: Path, arch: str, config: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """Linear scaling from metadata, or Llama-3 scaling recognised from `rope_freqs`."""
+    """Linear or YaRN scaling from metadata, or Llama-3 scaling recognised from
+    `rope_freqs`."""
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
+    if scaling_type in ("linear", "yarn"):
         factor = _required(reader, f"{arch}.rope.scaling.factor", gguf_path)
-        return {"rope_type": "linear", "factor": float(factor)}
+        scaling = {"rope_type": scaling_type, "factor": float(factor)}
+        if scaling_type == "yarn":
+            scaling["original_max_position_embeddings"] = _required(
+                reader, f"{arch}.rope.scaling.original_context_length", gguf_path)
+        return scaling
     if scaling_type != "none":
         raise ValueError(f"{gguf_path}: unsupported RoPE scaling type {scaling_type!r}")
     rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
@@ -284,33 +278,41 @@ def _rope_scaling(
 def _hf_tensors(
     reader: gguf.GGUFReader, gguf_path: Path, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight, dequantized and un-permuted."""
-    arch = _field(reader, "general.architecture")
-    permuted = _ARCHITECTURES[arch][2]
+    """(HF name, float32 tensor) for every weight, dequantized, un-permuted, norms back to
+    the checkpoint's values, experts one tensor each."""
+    _, family = _architecture(reader, gguf_path)
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == _ROPE_FREQS or tensor.name in family.skipped:
             continue
-        hf_name = _hf_name(tensor.name, gguf_path)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
             raise ValueError(f"{gguf_path}: cannot dequantize {tensor.name!r} ({exc})") from exc
         # F32 tensors come back as read-only views of the file; everything else is new.
         weight = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
-        if permuted and ".attn_q." in tensor.name:
+        match = _LAYER_TENSOR_NAME.fullmatch(tensor.name)
+        if match is not None and match[2] in EXPERT_TENSORS:  # [experts, out, in]
+            for expert, matrix in enumerate(weight):
+                yield (f"model.layers.{match[1]}.mlp.experts.{expert}."
+                       f"{EXPERT_TENSORS[match[2]]}.{match[3]}", matrix)
+            continue
+        hf_name = _hf_name(tensor.name, gguf_path, family)
+        if family.permuted and ".attn_q." in tensor.name:
             weight = unpermute_rows(weight, config["num_attention_heads"])
-        elif permuted and ".attn_k." in tensor.name:
+        elif family.permuted and ".attn_k." in tensor.name:
             weight = unpermute_rows(weight, config["num_key_value_heads"])
+        if family.norm_offset and hf_name.endswith("norm.weight"):
+            weight -= family.norm_offset
         yield hf_name, weight
 
 
-def _hf_name(gguf_name: str, gguf_path: Path) -> str:
+def _hf_name(gguf_name: str, gguf_path: Path, family: GGUFArch) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_TENSORS:
+    if match is None or match[2] not in family.layer_tensors:
         raise ValueError(f"{gguf_path}: unexpected tensor {gguf_name!r}")
-    return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{family.layer_tensors[match[2]]}.{match[3]}"
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -384,7 +384,9 @@ def set_int8_inputs(module: nn.Module, skip: Collection[str] = ("lm_head",)) -> 
     """Let every native quantized kernel under `module`, but those of the sites named in
     `skip` (the LM head: its rounding moves every logit at once), round the inputs of products
     of many rows to 8 bits (`NativeLinear.int8_inputs`, `--prefill-activations int8`); returns
-    how many kernels take it: none where the library has no 8-bit path (no AVX-512 VNNI)."""
+    how many kernels take it: none where the library has no 8-bit path (`bi_act8`: AVX2,
+    AVX-512 VNNI and NEON with dot products have one; AVX-512 without VNNI, NEON without dot
+    products and the portable level do not)."""
     lib = native.library()
     if lib is None or not lib.bi_act8():
         return 0

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) as one readable module, and the
-layers the other families (`qwen3.py`, `phi3.py`, `gemma2.py`) build on.
+layers the other families (`qwen3.py`, `phi3.py`, `gemma.py`) build on.
 
 The model never does attention itself: `forward` takes an `attention(layer_idx, q, k, v)`
 callable from the runner, which owns the paged KV cache, the masks, the softmax scale and any
@@ -126,10 +126,11 @@ class MLP(nn.Module):
     """`down_proj(act(gate_proj(x)) * up_proj(x))`: SwiGLU (`silu`) or GeGLU
     (`gelu_pytorch_tanh`), as `spec.hidden_act` says."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        size = intermediate_size or spec.intermediate_size  # an expert's, in a MoE
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=False)
         self.activation = spec.hidden_act
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
     # is fused already maps none).
     fused_projections: dict[str, tuple[str, ...]] = FUSED_PROJECTIONS
 
-    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim // 2] float32, a buffer
+    rope_cos: torch.Tensor  # [spec.max_context, head_dim // 2] float32, a buffer
     rope_sin: torch.Tensor  # same shape
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -200,19 +201,21 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
         cos, sin = rope_tables(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                               spec.max_position_embeddings, spec.max_position_embeddings)
+                               spec.max_context, spec.max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def fit_context(self, max_model_len: int) -> None:
         """Make the RoPE tables those of a server of sequences up to `max_model_len` tokens:
         LongRoPE (Phi-3) takes its short factors within its original context, else its long
-        ones (`rope.py`); other RoPE does not depend on it."""
+        ones, and dynamic NTK stretches its base past it (`rope.py`); other RoPE does not
+        depend on it."""
         spec = self.spec
-        if spec.rope_scaling is None or spec.rope_scaling["rope_type"] != "longrope":
+        if spec.rope_scaling is None or spec.rope_scaling["rope_type"] not in ("longrope",
+                                                                               "dynamic"):
             return
         cos, sin = rope_tables(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                               spec.max_position_embeddings, max_model_len)
+                               spec.max_context, max_model_len)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
 
@@ -225,14 +228,17 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # a new tensor: layers update it in place
         return x.float()
 
+    def rotaries(self, positions: torch.Tensor) -> list[Rotary]:
+        """Each layer's RoPE for a step at `positions` (here one, shared by every layer)."""
+        dtype = self.embed_tokens.weight.dtype
+        return [Rotary(self.rope_cos, self.rope_sin, positions, dtype)] * len(self.layers)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
-        dtype = self.embed_tokens.weight.dtype
-        rotary = Rotary(self.rope_cos, self.rope_sin, positions, dtype)  # shared by layers
         x = self.embed(input_ids)
-        for layer in self.layers:
+        for layer, rotary in zip(self.layers, self.rotaries(positions), strict=True):
             x = layer(x, rotary, attention)
         return self.norm(x)
 

@@ -16,10 +16,12 @@ from batchinfer.models.spec import ModelSpec
 
 
 class Qwen3Attention(Attention):
+    norm_class: type[RMSNorm] = RMSNorm  # of the per-head q/k norms
+
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__(spec, layer_idx)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.q_norm = self.norm_class(spec.head_dim, spec.rms_norm_eps)
+        self.k_norm = self.norm_class(spec.head_dim, spec.rms_norm_eps)
 
     def qkv_heads(self, x: torch.Tensor) -> torch.Tensor:
         """The projected heads `[n, h + 2kv, d]` with q and k normalized per head, in place."""

@@ -1,8 +1,9 @@
 """`ModelSpec`: the shape of a decoder-only model, read from a Hugging Face `config.json`.
 
-One spec covers every family served (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2): the fields
-all of them have, then the few that only some families set (a sliding window, an activation
-other than SiLU, Gemma 2's soft-capping and query scale). Which module computes the model is
+One spec covers every family served (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3): the
+fields all of them have, then the few that only some families set (a sliding window, an
+activation other than SiLU, Gemma's soft-capping, query scale and local RoPE base). Which
+module computes the model is
 chosen by `architecture` (`models/families.py`); the spec says only what the config says.
 Every bad or unsupported field is a `ValueError` naming the field and the file.
 """
@@ -19,7 +20,18 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+_GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# transformers' defaults for Gemma's fields, where a config leaves one out.
+_GEMMA_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "Gemma2ForCausalLM": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+                          "final_logit_softcapping": None},
+}
 # The MLP activations served (`hidden_act`, Gemma's `hidden_activation`).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # rope_scaling type -> the keys it needs ("default" means no scaling).
@@ -28,13 +40,41 @@ ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "dynamic": ("factor", "max_position_embeddings"),
 }
 # Families whose config's `sliding_window` applies only with `use_sliding_window: true`.
-_OPT_IN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_OPT_IN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Families whose every layer takes the config's `sliding_window` (`layer_types` ignored, as
 # transformers ignores it for them).
 _EVERY_LAYER_WINDOWS = ("MistralForCausalLM", "Phi3ForCausalLM")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A mixture of experts in place of the MLP of `layers`: `num_experts` MLPs of
+    `intermediate_size`, `num_experts_per_tok` of them per token, weighted by the softmax of
+    the router's scores over all experts (renormalized over the chosen ones where
+    `norm_topk_prob`)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer's attention reads its context, which the attention backend applies:
+    the softmax `scale`, the `window` (a query at position `p` sees keys `p - window + 1 .. p`;
+    None: all of them) and the `softcap` (scores become `softcap * tanh(score / softcap)`
+    before the softmax; None: left as they are)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -47,8 +87,12 @@ class ModelSpec:
     sees keys at positions `p - sliding_window + 1 .. p`), None for full attention everywhere;
     `full_attention_layers` are the layers that see the whole context even so (Gemma 2's global
     layers, Qwen2's first `max_window_layers`). `query_pre_attn_scalar`: the softmax scale is
-    its inverse square root instead of `head_dim`'s (Gemma 2). `attn_logit_softcapping` and
+    its inverse square root instead of `head_dim`'s (Gemma). `attn_logit_softcapping` and
     `final_logit_softcapping`: scores and logits pass through `cap * tanh(x / cap)` (Gemma 2).
+    `local_rope_theta`: the RoPE base of the sliding-window layers, where it is not
+    `rope_theta` (Gemma 3's `rope_local_base_freq`; `rope_scaling` is the global layers').
+    `moe`: the mixture of experts of the layers that have one (Qwen3-MoE), None for a dense
+    model.
     """
 
     architecture: str
@@ -72,6 +116,8 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
+    moe: MoESpec | None = field(default=None, hash=False)
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The attention window of layer `layer_idx` in tokens, or None for full attention."""
@@ -83,6 +129,33 @@ class ModelSpec:
     def attention_scale(self) -> float:
         """The softmax scale: `1 / sqrt(query_pre_attn_scalar or head_dim)`."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model serves: `max_position_embeddings`, or the context
+        YaRN or dynamic NTK scaling stretches it to (`factor` times the original, as vLLM
+        takes it)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn":
+            stretched = int(scaling["factor"] * scaling["original_max_position_embeddings"])
+            return max(self.max_position_embeddings, stretched)
+        if scaling.get("rope_type") == "dynamic":
+            return max(self.max_position_embeddings,
+                       int(scaling["factor"] * self.max_position_embeddings))
+        return self.max_position_embeddings
+
+    def layer_attention(self, layer_idx: int) -> LayerAttention:
+        """How layer `layer_idx` attends (scale, window, soft-capping)."""
+        return LayerAttention(self.attention_scale, self.layer_window(layer_idx),
+                              self.attn_logit_softcapping)
+
+    @property
+    def kv_window(self) -> int | None:
+        """Where every layer has a window: its size, the most recent tokens any layer reads
+        (the KV of older ones may be dropped); None where some layer reads the whole context."""
+        if self.sliding_window is None or self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelSpec:
@@ -111,7 +184,8 @@ class ModelSpec:
         if head_dim % 2:
             raise ValueError(f"{source}: field 'head_dim' must be even, got {head_dim}")
         num_layers = integer("num_hidden_layers")
-        rope_theta, rope_scaling = _rope_fields(config, source, head_dim)
+        rope_config, local_rope_theta = _gemma3_rope(config, architecture, source)
+        rope_theta, rope_scaling = _rope_fields(rope_config, source, head_dim)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         llama_bias = bool(config.get("attention_bias", False)) and not is_qwen2
         window, full_layers = _sliding_window(config, architecture, num_layers, source)
@@ -134,7 +208,9 @@ class ModelSpec:
             sliding_window=window,
             full_attention_layers=full_layers,
             hidden_act=_activation(config, architecture, source),
-            **_gemma2_fields(config, architecture, source),
+            local_rope_theta=local_rope_theta,
+            moe=_moe(config, architecture, num_layers, source),
+            **_gemma_fields(config, architecture, source),
         )
 
 
@@ -157,9 +233,9 @@ def _supported_architecture(config: dict[str, Any], source: str) -> str:
 
 
 def _activation(config: dict[str, Any], architecture: str, source: str) -> str:
-    # Gemma 2 names it `hidden_activation` (transformers reads only that one for Gemma 2).
-    name = "hidden_activation" if architecture == "Gemma2ForCausalLM" else "hidden_act"
-    default = "gelu_pytorch_tanh" if architecture == "Gemma2ForCausalLM" else "silu"
+    # Gemma names it `hidden_activation` (transformers reads only that one for Gemma 2 and 3).
+    name = "hidden_activation" if architecture in _GEMMAS else "hidden_act"
+    default = "gelu_pytorch_tanh" if architecture in _GEMMAS else "silu"
     activation = config.get(name) or default
     if activation not in ACTIVATIONS:
         raise ValueError(f"{source}: unsupported {name} {activation!r}; "
@@ -167,18 +243,67 @@ def _activation(config: dict[str, Any], architecture: str, source: str) -> str:
     return str(activation)
 
 
-def _gemma2_fields(config: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
-    """Gemma 2's query scale and soft-capping (empty for other families)."""
-    if architecture != "Gemma2ForCausalLM":
+def _moe(config: dict[str, Any], architecture: str, num_layers: int, source: str
+         ) -> MoESpec | None:
+    """Qwen3-MoE's experts: `num_experts` (transformers 5: `num_local_experts`) of
+    `moe_intermediate_size`, in every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+
+    def positive(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{source}: field {name!r} must be a positive integer")
+        return value
+
+    num_experts = positive("num_experts",
+                           config.get("num_experts") or config.get("num_local_experts"))
+    per_token = positive("num_experts_per_tok", config.get("num_experts_per_tok"))
+    if per_token > num_experts:
+        raise ValueError(f"{source}: num_experts_per_tok ({per_token}) exceeds num_experts "
+                         f"({num_experts})")
+    step = positive("decoder_sparse_step", config.get("decoder_sparse_step", 1))
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ValueError(f"{source}: field 'mlp_only_layers' must list layer numbers")
+    layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoESpec(num_experts, per_token,
+                   positive("moe_intermediate_size", config.get("moe_intermediate_size")),
+                   bool(config.get("norm_topk_prob", False)), layers)
+
+
+def _gemma_fields(config: dict[str, Any], architecture: str, source: str) -> dict[str, Any]:
+    """Gemma's query scale and soft-capping (empty for other families)."""
+    if architecture not in _GEMMAS:
         return {}
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
     fields: dict[str, Any] = {}
-    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        value = config.get(name)
+    for name, default in _GEMMA_DEFAULTS[architecture].items():
+        value = config.get(name, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                   or value <= 0):
             raise ValueError(f"{source}: field {name!r} must be a positive number or null")
         fields[name] = None if value is None else float(value)
     return fields
+
+
+def _gemma3_rope(config: dict[str, Any], architecture: str, source: str
+                 ) -> tuple[dict[str, Any], float | None]:
+    """Gemma 3's two RoPEs: (the config with the global layers' RoPE fields, the local layers'
+    base), from transformers 5's `rope_parameters` per layer type or transformers 4's
+    `rope_theta` / `rope_scaling` (global) and `rope_local_base_freq` (local)."""
+    if architecture != "Gemma3ForCausalLM":
+        return config, None
+    params = config.get("rope_parameters") or {}
+    if "full_attention" not in params and "sliding_attention" not in params:
+        return config, float(config.get("rope_local_base_freq", 10000.0))
+    local = dict(params.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: rope_parameters.sliding_attention: only the default RoPE "
+                         f"is supported for the local layers, got {local['rope_type']!r}")
+    glob = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
+    return ({**config, "rope_parameters": glob},
+            float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0))))
 
 
 def _rope_fields(
@@ -196,9 +321,12 @@ def _rope_fields(
                          f"supported: {', '.join(ROPE_SCALING_KEYS)}")
     if rope_type == "default":
         return theta, None
-    if rope_type == "longrope":  # Phi-3 keeps it beside rope_scaling, at the top level
-        params.setdefault("original_max_position_embeddings",
-                          config.get("original_max_position_embeddings"))
+    if rope_type in ("longrope", "yarn"):  # Phi-3 keeps it beside rope_scaling, at the top
+        params.setdefault("original_max_position_embeddings",  # level; YaRN's default is the
+                          config.get("original_max_position_embeddings")  # model's context
+                          or (config.get("max_position_embeddings") if rope_type == "yarn"
+                              else None))
+    if rope_type in ("longrope", "dynamic"):
         params.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
     missing = [name for name in ROPE_SCALING_KEYS[rope_type] if params.get(name) is None]
     if missing:
@@ -227,8 +355,10 @@ def _sliding_window(
         return window, frozenset()
     layer_types = config.get("layer_types")
     if layer_types is None:  # transformers' defaults when the config does not list them
-        if architecture == "Gemma2ForCausalLM":  # local, global, local, ...
-            layer_types = [_LAYER_TYPES[i % 2] for i in range(num_layers)]
+        if architecture in _GEMMAS:  # Gemma 2: local, global, ...; Gemma 3: 5 local, 1 global
+            pattern = 2 if architecture == "Gemma2ForCausalLM" else int(
+                config.get("sliding_window_pattern", 6))
+            layer_types = [_LAYER_TYPES[int((i + 1) % pattern == 0)] for i in range(num_layers)]
         else:
             first = int(config.get("max_window_layers", 0) or 0)
             layer_types = [_LAYER_TYPES[int(i < first)] for i in range(num_layers)]

@@ -61,16 +61,32 @@ static void linear_tile(const bi_linear *l, int tile, const bi_input *in, int r0
     }
 }
 
+/* CALL(q4, T) with the linear's kind and its T (1..HELD_TILES) tiles as constants: the held
+ * kernels' bodies for each. */
+#define DISPATCH_HELD(CALL)                                                                \
+    do {                                                                                   \
+        const int q4 = l->kind == BI_Q4;                                                   \
+        if (T == 4) { if (q4) CALL(1, 4); else CALL(0, 4); }                               \
+        else if (T == 3) { if (q4) CALL(1, 3); else CALL(0, 3); }                          \
+        else if (T == 2) { if (q4) CALL(1, 2); else CALL(0, 2); }                          \
+        else { if (q4) CALL(1, 1); else CALL(0, 1); }                                      \
+    } while (0)
+
 #if BI_HELD16
 static void held_tiles16(const bi_linear *l, int tile, int T, const bi_input *in, int rows,
                          float *y, int64_t ldy, int accumulate) {
 #define HELD16(Q, N) held_tiles16_kind(l, Q, tile, N, in, rows, y, ldy, accumulate)
-    const int q4 = l->kind == BI_Q4;
-    if (T == 4) { if (q4) HELD16(1, 4); else HELD16(0, 4); }
-    else if (T == 3) { if (q4) HELD16(1, 3); else HELD16(0, 3); }
-    else if (T == 2) { if (q4) HELD16(1, 2); else HELD16(0, 2); }
-    else { if (q4) HELD16(1, 1); else HELD16(0, 1); }
+    DISPATCH_HELD(HELD16);
 #undef HELD16
+}
+#endif
+
+#if BI_ACT8
+static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, const float *xs,
+                        const float *xsum, int rows, float *y, int64_t ldy, int accumulate) {
+#define HELD8(Q, N) held_tiles8_kind(l, Q, tile, N, xq, xs, xsum, rows, y, ldy, accumulate)
+    DISPATCH_HELD(HELD8);
+#undef HELD8
 }
 #endif
 
@@ -181,8 +197,9 @@ int bi_linear_forward(const bi_linear *l, int rows, const float *x, float *y, in
 
 int bi_act8(void) { return BI_ACT8; }
 
-/* bi_linear_forward with the inputs rounded to 8 bits where that path exists (AVX-512 VNNI,
- * quantized weights, at least BLOCK_ROWS rows per thread); elsewhere bi_linear_forward. */
+/* bi_linear_forward with the inputs rounded to 8 bits where that path exists (`bi_act8`: AVX2,
+ * AVX-512 VNNI, NEON with dot products; quantized weights, at least MIN_HELD_ROWS rows);
+ * elsewhere bi_linear_forward. */
 int bi_linear_forward8(const bi_linear *l, int rows, const float *x, float *y, int accumulate,
                        int threads) {
     return linear_forward(l, rows, x, y, accumulate, threads,

@@ -23,8 +23,8 @@ class NativeLinear:
     Holds the tensors its `struct` points into; `struct` is what the fused decode step reads.
     `int8_inputs`: products of 8 rows and more (prefill chunks, decode steps of 8+ sequences;
     native decode steps follow the same setting) round the inputs to 8 bits per group of 32
-    rather than 16, where the CPU has AVX-512 VNNI (`bi_linear_forward8`); set by
-    `set_int8_inputs`.
+    rather than 16, where the library's level has 8-bit products (`bi_act8`: AVX2, AVX-512
+    VNNI, NEON with dot products; `bi_linear_forward8`); set by `set_int8_inputs`.
     """
 
     int8_inputs = False

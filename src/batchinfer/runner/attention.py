@@ -7,11 +7,13 @@ context length and block table, plus the slot mapping; see `input_batch.py`); th
 prepares everything that depends only on the step (row indices, masks, decode grouping) and is
 then handed to `model.forward` as its `attention(layer_idx, q, k, v)` callable, so the metadata
 travels explicitly, never through a global. Per layer, `__call__` writes this step's K/V at
-their slots and returns the attention output; q and k arrive with RoPE applied, the softmax
-scale `1 / sqrt(head_dim)` is applied by the backend. Every backend follows the same rules
-(causal over the whole context, a first chunk attends to its own K/V at model precision; see
-`backends/prefill.py`), so they agree to rounding. Sliding-window attention (Mistral's
-`sliding_window`) is NOT applied: every query sees its whole context.
+their slots and returns the attention output; q and k arrive with RoPE applied. How each layer
+attends is the model's (`set_layers`, one `LayerAttention` per layer from `ModelSpec`): the
+softmax scale (`1 / sqrt(head_dim)`, or Gemma's `query_pre_attn_scalar`), a sliding window
+(Mistral, Qwen2, Phi-3, Gemma's local layers: a query at `p` sees keys `p - window + 1 .. p`)
+and soft-capped scores (Gemma 2). Every backend follows the same rules (causal over the
+context, within the layer's window; a first chunk attends to its own K/V at model precision;
+see `backends/prefill.py`), so they agree to rounding.
 
 Backends (`runner/backends/`), by name:
 - `sdpa`: one SDPA per sequence; any device and dtype; the reference the others are tested
@@ -28,11 +30,13 @@ Backends (`runner/backends/`), by name:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from batchinfer.core.config import ATTENTION_BACKENDS
+from batchinfer.models.spec import LayerAttention
 from batchinfer.runner.backends.cpu_sparse import CpuSparseBackend, supports_cpu_sparse
 from batchinfer.runner.backends.gather import GatherBackend
 from batchinfer.runner.backends.sdpa import SdpaBackend
@@ -54,6 +58,10 @@ class AttentionBackend(Protocol):
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int) -> None:
         """Allocate the zeroed cache: `num_blocks` blocks of `block_size` tokens, all layers."""
+        ...
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        """How each layer attends (scale, window, soft-capping); plain causal without it."""
         ...
 
     def build(self, metadata: AttentionMetadata) -> None:

@@ -32,6 +32,9 @@ class AttentionMetadata:
     `block_ids[block_starts[i] : block_starts[i + 1]]`. The first `num_decodes` sequences have
     one query each (so row `i` is sequence `i`) and are sorted by context length. The lists are
     on the host, for decisions that must not wait for the device; the tensors are on the device.
+    A sequence's blocks dropped outside the sliding window (`ScheduledSequence.
+    num_dropped_blocks`) stand in its table as copies of its first block still held: only
+    keys the window hides are read there.
     """
 
     block_size: int
@@ -90,15 +93,21 @@ def prepare_inputs(
         seq = sequences[i]
         first, end = seq.num_computed_tokens, context_lens[i]
         num_blocks = -(-end // block_size)
-        if len(seq.block_table) < num_blocks:
+        table = seq.block_table
+        if seq.num_dropped_blocks:
+            if seq.num_dropped_blocks * block_size > first or not table:
+                raise RuntimeError(f"request {seq.request_id}: blocks dropped past its "
+                                   f"{first} computed tokens")
+            table = [table[0]] * seq.num_dropped_blocks + table
+        if len(table) < num_blocks:
             raise RuntimeError(
-                f"request {seq.request_id}: block table holds {len(seq.block_table)} blocks, "
+                f"request {seq.request_id}: block table holds {len(table)} blocks, "
                 f"too few for {end} tokens"
             )
         input_ids.extend(seq.token_ids)
         positions.extend(range(first, end))
-        _extend_slots(slots, seq.block_table, block_size, first, end)
-        block_ids.extend(seq.block_table[:num_blocks])
+        _extend_slots(slots, table, block_size, first, end)
+        block_ids.extend(table[:num_blocks])
         if seq.sample:
             logits_rows.append(len(input_ids) - 1)
             sampled_seq_indices.append(i)

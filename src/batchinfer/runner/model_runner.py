@@ -23,6 +23,7 @@ import torch
 
 from batchinfer.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from batchinfer.models.linear_kernels import BUCKET_NAMES
+from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.attention import select_attention_backend
 from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 from batchinfer.runner.kv_cache import KVCacheSpec
@@ -99,6 +100,8 @@ class ModelRunner:
         self.attention = select_attention_backend(self.device, kv_dtype, attention_backend,
                                                   calculate_kv_scales)
         self.attention.allocate_kv_cache(spec, num_blocks, block_size)
+        if isinstance(spec, ModelSpec):  # its layers' scale, windows and soft-capping
+            self.attention.set_layers([spec.layer_attention(i) for i in range(spec.num_layers)])
         if num_swap_blocks:
             self.attention.allocate_swap_space(num_swap_blocks)
         self.sampler = Sampler(self.device, seed, eos_token_ids)
@@ -157,11 +160,15 @@ class ModelRunner:
         if not sequences:
             return ModelRunnerOutput(sampled_token_ids)
         with torch.inference_mode():
-            logits, sampled_seq_indices = self.compute_logits(scheduler_output)
+            inputs = prepare_inputs(sequences, self.block_size, self.device)
+            sampled_seq_indices = inputs.sampled_seq_indices
+            rows = [sequences[i] for i in sampled_seq_indices]
+            # The grammar masks are filled on another thread while the forward runs.
+            masking = structured.start_fill(rows) if structured is not None else None
+            logits = self.compute_logits(inputs)
+            mask = masking.result() if masking is not None else None
             if not sampled_seq_indices:
                 return ModelRunnerOutput(sampled_token_ids)
-            rows = [sequences[i] for i in sampled_seq_indices]
-            mask = structured.fill(rows) if structured is not None else None
             sampled = self.sampler(logits, rows, mask)
         for i, token_id in zip(sampled_seq_indices, sampled.token_ids, strict=True):
             sampled_token_ids[i] = token_id
@@ -172,21 +179,15 @@ class ModelRunner:
             logprobs[i] = entry
         return ModelRunnerOutput(sampled_token_ids, logprobs)
 
-    def compute_logits(self, scheduler_output: SchedulerOutput, shared_rows: bool = False
-                       ) -> tuple[torch.Tensor, list[int]]:
-        """Forward one step (writing its K/V into the cache) and return the sampling rows' logits.
-
-        Returns float32 logits `[num_sampled, vocab]` and, for each row, the index of its
-        sequence in `scheduler_output.sequences`. Call under `torch.inference_mode()`.
-        `shared_rows`: several sequences of the step may be positions of one sequence
-        (speculative decoding's one-token rows; every backend writes a step's K/V before it
-        attends, so each sees the ones before it).
-        """
-        inputs = prepare_inputs(scheduler_output.sequences, self.block_size, self.device)
+    def compute_logits(self, inputs: StepInputs, shared_rows: bool = False) -> torch.Tensor:
+        """Forward one step (writing its K/V into the cache) and return the sampling rows'
+        float32 logits `[num_sampled, vocab]` (row i: `inputs.sampled_seq_indices[i]`).
+        Call under `torch.inference_mode()`. `shared_rows`: several sequences of the step may
+        be positions of one sequence (speculative decoding's one-token rows; every backend
+        writes a step's K/V before it attends, so each sees the ones before it)."""
         if self.native_decode is not None and self.native_decode.accepts(inputs):
-            logits = self.native_decode.logits(inputs, shared_rows)
-            return logits[inputs.logits_indices], inputs.sampled_seq_indices
-        return self._torch_logits(inputs), inputs.sampled_seq_indices
+            return self.native_decode.logits(inputs, shared_rows)[inputs.logits_indices]
+        return self._torch_logits(inputs)
 
     def _torch_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The sampling rows' logits of a step, by the torch model."""

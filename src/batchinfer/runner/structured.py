@@ -8,8 +8,10 @@ one token bitmask for the whole batch per step (xgrammar).
   read once, at the first compile (xgrammar's `TokenizerInfo`, as wide as the model's logits).
 - `fill(sequences)` gives each constrained row of a step its matcher, brings the matcher up to
   the sequence's output so far, and fills every row of one bitmask in one batched call (its
-  threads are xgrammar's). The sampler applies the `GrammarMask` to the logits before anything
-  else, so reported logprobs are those of the constrained distribution (vLLM's order).
+  threads are xgrammar's). The runner starts it (`start_fill`) on a worker thread before the
+  step's forward and takes the mask after it: the host work of the masks overlaps the model's.
+  The sampler applies the `GrammarMask` to the logits before anything else, so reported
+  logprobs are those of the constrained distribution (vLLM's order).
 
 A matcher is a cache of "the grammar's state after this sequence's output tokens": the
 truth is the token history the scheduler sends with every constrained sampling row
@@ -27,11 +29,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xgrammar as xgr
+from xgrammar.builtin_structural_tag import get_model_structural_tag
 
 from batchinfer.core.outputs import ScheduledSequence
 from batchinfer.core.structured_output import StructuredOutput
@@ -39,8 +43,24 @@ from batchinfer.core.validation import ParamError
 
 # xgrammar's C++ errors start with a timestamp, a source location and an assertion's text.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
+# Tool-call syntaxes: ours -> xgrammar's structural-tag template of that syntax.
+# `hermes`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Qwen 2.5 / 3, Hermes);
+# `llama3_json`: `{"name": ..., "parameters": {...}}` (Llama 3.1 - 3.3).
+TOOL_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 # `json_object`: any JSON object.
 _JSON_OBJECT = '{"type": "object"}'
+# xgrammar (0.2.9) writes a JSON string's characters as classes of code points that let two
+# kinds of invalid output through: a string with minLength / maxLength is
+# `[^"\\\r\n]{m,n}` (raw control characters allowed, which `json.loads` refuses), and every
+# class admits the UTF-16 surrogates U+D800-U+DFFF, whose UTF-8 form is no valid UTF-8 (a
+# byte-level vocabulary can spell them; they decode to U+FFFD, one per byte, and a bounded
+# string comes out too long). Both classes become "a code point but C0, quote, backslash and
+# the surrogates". A bounded string thus holds no escapes (as xgrammar has it: each repetition
+# one character); allowing them, `(char | escape){m,n}`, made each row's mask tens of times
+# slower to fill (docs/server.md).
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_JSON_CODE_POINT = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 @dataclass(slots=True)
@@ -91,6 +111,7 @@ class StructuredOutputs:
         self._sequences: dict[str, _SequenceGrammar] = {}
         self._bitmask: torch.Tensor | None = None
         self._batch = xgr.BatchGrammarMatcher()
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     # ----------------------------------------------------------------- compilation
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
@@ -117,16 +138,17 @@ class StructuredOutputs:
         compiler = self._compiler_once()
         try:
             if spec.json_schema is not None or spec.json_object:
-                # No whitespace but xgrammar's `, ` and `: ` separators: free whitespace lets
-                # a small model spend its whole budget on spaces and newlines.
-                grammar = compiler.compile_json_schema(
-                    spec.json_schema or _JSON_OBJECT, any_whitespace=False, strict_mode=True)
+                grammar = compiler.compile_grammar(_json_schema_grammar(
+                    spec.json_schema or _JSON_OBJECT))
             elif spec.regex is not None:
                 grammar = compiler.compile_regex(spec.regex)
             elif spec.choice is not None:
                 # JSON string literals are EBNF string literals (the same escapes).
                 grammar = compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            elif spec.structural_tag is not None:
+                grammar = compiler.compile_structural_tag(_with_our_json(
+                    json.loads(spec.structural_tag)))
             else:
                 grammar = compiler.compile_grammar(spec.grammar or "")
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -163,6 +185,15 @@ class StructuredOutputs:
         for request_id in request_ids:
             self._sequences.pop(request_id, None)
 
+    def start_fill(self, sequences: Sequence[ScheduledSequence]) -> Future[GrammarMask | None] \
+            | None:
+        """`fill(sequences)` started on this object's worker thread (xgrammar fills without
+        the GIL, so it overlaps the step's forward); None when no row is constrained. At most
+        one fill runs at a time: the caller waits for its result before the next step."""
+        if not any(seq.sampling_params.structured_output is not None for seq in sequences):
+            return None
+        return self._filler.submit(self.fill, sequences)
+
     def fill(self, sequences: Sequence[ScheduledSequence]) -> GrammarMask | None:
         """The mask of one step's sampling rows (`sequences[i]` is logits row i); None when no
         row is constrained. `RuntimeError` names a sequence whose history breaks its grammar."""
@@ -194,6 +225,45 @@ class StructuredOutputs:
     @property
     def num_matchers(self) -> int:
         return len(self._sequences)
+
+
+def _json_schema_grammar(schema: str) -> str:
+    """The EBNF of a JSON schema, as xgrammar writes it, with strings' characters made JSON's
+    (valid UTF-8, no raw control characters). No whitespace but xgrammar's `, ` and `: ` separators: free whitespace lets a
+    small model spend its whole budget on spaces and newlines."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    text = str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_CODE_POINT)
+    return text.replace(_STRING_CHAR, _JSON_CODE_POINT)
+
+
+def _with_our_json(node: Any) -> Any:
+    """A structural tag's format tree with each `json_schema` format replaced by the grammar
+    `_json_schema_grammar` writes for it (JSON's strings, our whitespace), as plain data."""
+    if isinstance(node, list):
+        return [_with_our_json(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+        return {"type": "grammar", "grammar": _json_schema_grammar(json.dumps(node["json_schema"]))}
+    return {key: _with_our_json(value) for key, value in node.items()}
+
+
+def tool_call_tag(
+    tool_format: str,
+    tools: Sequence[dict[str, Any]],
+    tool_choice: Literal["required"] | dict[str, Any],
+    parallel_tool_calls: bool,
+) -> dict[str, Any]:
+    """The structural tag (plain data) that makes a model call tools in its own syntax:
+    `tool_format` is one of `TOOL_FORMATS`' keys, `tools` OpenAI's function tools, `tool_choice`
+    `"required"` (one call or more; one with `parallel_tool_calls` false) or a named function
+    `{"type": "function", "function": {"name": ...}}` (exactly that one call). xgrammar writes
+    the syntax of each format; `ValueError` for a choice it cannot build."""
+    tag = get_model_structural_tag(
+        TOOL_FORMATS[tool_format], tools=list(tools), tool_choice=tool_choice,
+        reasoning="disabled", parallel_tool_calls=parallel_tool_calls)
+    data: dict[str, Any] = tag.model_dump(mode="json")
+    return data
 
 
 def _catch_up(state: _SequenceGrammar, seq: ScheduledSequence) -> None:

@@ -29,6 +29,7 @@ from batchinfer.core.paths import default_cache_dir
 from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.core.scheduling.spec_depth import StepCosts
+from batchinfer.core.scheduling.window import KVWindow
 from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.linear_kernels import (
     KERNELS_BY_QUANTIZATION,
@@ -117,7 +118,7 @@ class Worker:
         if config.prefill_activations == "int8":
             int8_linears = set_int8_inputs(loaded.model)
             logger.info("prefill activations int8: %d native linears (products of 8+ rows; "
-                        "0: no AVX-512 VNNI or no native kernel chosen)", int8_linears)
+                        "0: no 8-bit products at this ISA level, or no native kernel chosen)", int8_linears)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
         draft, draft_kernels = (load_draft(config, loaded, quantization, device, dtype)
                                 if config.speculative_method == "draft" else (None, None))
@@ -136,8 +137,10 @@ class Worker:
                 f"{config.block_size} tokens (activations of a step at max_num_batched_tokens: "
                 f"{activation_bytes} bytes); raise {knob} or lower max_num_batched_tokens"
             )
+        window = KVWindow(loaded.spec.kv_window, config.block_size,
+                          config.max_num_batched_tokens)
         max_model_len = resolve_max_model_len(
-            config.max_model_len, loaded.spec, num_blocks * config.block_size, knob
+            config.max_model_len, loaded.spec, kv_capacity_tokens(window, num_blocks), knob
         )
         loaded.model.fit_context(max_model_len)  # LongRoPE's factors depend on it
         num_swap_blocks = swap_space_blocks(config, block_bytes + draft_bytes)
@@ -184,6 +187,10 @@ class Worker:
     @property
     def vocab_size(self) -> int:
         return self.loaded.spec.vocab_size
+
+    @property
+    def kv_window(self) -> int | None:
+        return self.loaded.spec.kv_window
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -376,21 +383,31 @@ def dummy_step(
 
 
 def model_max_len(spec: ModelSpec, wanted: int | None = None) -> int:
-    """The longest sequence the model can run: its positions, capped at a sliding window
-    (attention over a window is not implemented; within it, full attention is exact), and at
-    `wanted` when given and smaller."""
-    model_max = spec.max_position_embeddings
-    if spec.sliding_window is not None:
-        model_max = min(model_max, spec.sliding_window)
+    """The longest sequence the model can run: its positions (`ModelSpec.max_context`),
+    capped at `wanted` when given and smaller."""
+    model_max = spec.max_context
     return model_max if wanted is None else min(model_max, wanted)
 
 
+def kv_capacity_tokens(window: KVWindow, num_blocks: int) -> int | None:
+    """The longest sequence `num_blocks` blocks hold: all of its tokens, or under a sliding
+    window on every layer, any length where the window's blocks fit (None: no limit)."""
+    bound = window.max_held_blocks
+    if bound is not None and bound <= num_blocks:
+        return None
+    return num_blocks * window.block_size
+
+
 def resolve_max_model_len(
-    wanted: int | None, spec: ModelSpec, kv_capacity_tokens: int, knob: str = "kv_cache_memory"
+    wanted: int | None, spec: ModelSpec, kv_capacity_tokens: int | None,
+    knob: str = "kv_cache_memory",
 ) -> int:
-    """`max_model_len`: the model's limit capped by the cache, or the value asked for if both
-    allow it (`ValueError` naming the knob otherwise; `knob` sizes the cache)."""
+    """`max_model_len`: the model's limit capped by the cache (None: the cache sets no limit),
+    or the value asked for if both allow it (`ValueError` naming the knob otherwise; `knob`
+    sizes the cache)."""
     model_max = model_max_len(spec)
+    if kv_capacity_tokens is None:
+        kv_capacity_tokens = model_max
     if wanted is None:
         return min(model_max, kv_capacity_tokens)
     if wanted > model_max:

@@ -22,6 +22,12 @@ from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.core.validation import ParamError
 from batchinfer.server.errors import UnicodeChecked
+from batchinfer.server.output_form import (
+    ToolUse,
+    logit_bias_of,
+    structured_output_of,
+    tool_use_of,
+)
 
 # Bounds of the request body, so one request cannot ask for unbounded work.
 MAX_N = 16
@@ -37,11 +43,8 @@ SERVICE_TIERS: dict[str, str | None] = {
 
 # Fields that would change the output and that batchinfer does not honour (yet): given with
 # any value but their no-op ones, they are refused by name. OpenAI's own first, then the
-# extensions other servers take for constrained decoding and token filtering.
+# extensions other servers take for token filtering and beam search.
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
     "functions": (None, []),
     "function_call": (None,),
     "audio": (None,),
@@ -50,11 +53,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     "moderation": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "logits_processors": (None, []),
@@ -104,12 +102,18 @@ class _SamplingFields(_Schema):
     priority: int | None = None
     service_tier: str | None = None
     timeout: float | None = Field(default=None, ge=0.0)
-    # refused (REFUSED, NEEDS): declared so that their presence is seen
+    # the output's form (server/output_form.py): checked there, in our words
     logit_bias: Any = None
     response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    # refused (REFUSED, NEEDS): declared so that their presence is seen
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -118,11 +122,6 @@ class _SamplingFields(_Schema):
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     logits_processors: Any = None
@@ -138,6 +137,11 @@ class _SamplingFields(_Schema):
         for name, (needed, when) in NEEDS.items():
             if getattr(self, name) is not None and not getattr(self, needed):
                 raise ParamError(f"{name} is only allowed when {when}", name)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that constrains the output (`response_format`, `guided_json`, ...)."""
+        return structured_output_of(self)[1]
 
     @property
     def include_usage(self) -> bool:
@@ -165,8 +169,11 @@ class _SamplingFields(_Schema):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self.check_supported()
+        structured_output, _ = structured_output_of(self)
         values: dict[str, Any] = {
             "n": self.n,
+            "structured_output": structured_output,
+            "logit_bias": logit_bias_of(self.logit_bias),
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -219,6 +226,8 @@ class CompletionRequest(_SamplingFields):
             raise ParamError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of is not supported (only best_of == n)", "best_of")
+        if self.tools:
+            raise ParamError("tools are taken by /v1/chat/completions only", "tools")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -239,19 +248,25 @@ class ChatMessage(_Schema):
     audio: Any = None
 
 
-def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as `{"role", "content"[, "name"]}` dicts for the chat template; text parts only.
+def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as `{"role", "content"[, "name", "tool_calls", "tool_call_id"]}` dicts for the
+    chat template; text parts only. An assistant's `tool_calls` are OpenAI's function calls;
+    a `tool` message answers one of them by `tool_call_id` (and gets its function's `name`).
     `ParamError` (param `messages`) for what the template cannot be given."""
-    chat = []
+    chat: list[dict[str, Any]] = []
+    called: dict[str, str] = {}  # ids of the calls made so far -> their functions' names
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if message.role == "function":
             raise ParamError(f"{where}: the role 'function' (legacy function calling) is not "
                              "supported", "messages")
-        for name in ("tool_calls", "function_call", "audio", "refusal"):
+        for name in ("function_call", "audio", "refusal"):
             if getattr(message, name) is not None:
                 raise ParamError(f"{where}.{name} is not supported by this server", "messages")
-        if message.role == "tool":
+        if message.tool_calls is not None and message.role != "assistant":
+            raise ParamError(f"{where}.tool_calls: only an assistant message makes tool calls",
+                             "messages")
+        if message.role == "tool" and message.tool_call_id not in called:
             what = ("needs its tool_call_id" if message.tool_call_id is None
                     else "must answer a tool call of a preceding assistant message")
             raise ParamError(f"{where}: a tool message {what}", "messages")
@@ -263,11 +278,36 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             if any(part.type != "text" or part.text is None for part in content):
                 raise ParamError(f"{where}.content: only text parts are supported", "messages")
             content = "\n".join(part.text or "" for part in content)
-        rendered = {"role": message.role, "content": content or ""}
+        rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             rendered["name"] = message.name
+        if message.tool_calls is not None:
+            rendered["tool_calls"] = _tool_calls(where, message.tool_calls)
+            called.update((c["id"], c["function"]["name"]) for c in rendered["tool_calls"])
+        if message.role == "tool" and message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
+            rendered.setdefault("name", called[message.tool_call_id])
         chat.append(rendered)
     return chat
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant's `tool_calls` as OpenAI writes them, checked."""
+    if not isinstance(calls, list) or not calls:
+        raise ParamError(f"{where}.tool_calls must be a non-empty list", "messages")
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and isinstance(call.get("id"), str)
+                and call.get("type", "function") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise ParamError(f'{where}.tool_calls[{j}] must be {{"id", "type": "function", '
+                             '"function": {"name", "arguments"}} with strings', "messages")
+        checked.append({"id": call["id"], "type": "function",
+                        "function": {"name": function["name"],
+                                     "arguments": function["arguments"]}})
+    return checked
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -279,10 +319,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def chat(self) -> list[dict[str, str]]:
+    def chat(self) -> list[dict[str, Any]]:
         """The messages for the chat template (`render_messages`); the request's other fields
         are checked by `sampling_params`, which the handler calls first."""
         return render_messages(self.messages)
+
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and tool choice, checked (`ParamError` naming the field)."""
+        return tool_use_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -307,6 +351,7 @@ class TokenizeRequest(_Schema):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: Any = None  # rendered with the messages, as a chat request's are
     add_special_tokens: bool = True
 
 

@@ -9,20 +9,19 @@ backlog. Non-streamed requests ask the engine for one FINAL_ONLY output.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchinfer.core.outputs import TokenLogprobs
 from batchinfer.core.request import SchedulingOptions
 from batchinfer.core.sampling_params import SamplingParams
+from batchinfer.core.structured_output import StructuredOutput
 from batchinfer.core.validation import ParamError
 from batchinfer.engine.async_llm import (
     AsyncLLM,
@@ -32,10 +31,12 @@ from batchinfer.engine.async_llm import (
     RequestFailedError,
 )
 from batchinfer.engine.inputs import Prompt
-from batchinfer.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from batchinfer.engine.outputs import RequestOutput, RequestOutputKind
 from batchinfer.engine.processor import EngineRequest
+from batchinfer.runner.structured import tool_call_tag
 from batchinfer.server.disconnect import unless_disconnected
 from batchinfer.server.errors import APIError, to_api_error
+from batchinfer.server.output_form import OutputForm, ToolUse, tool_use_of
 from batchinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,15 +44,10 @@ from batchinfer.server.protocol import (
     TokenizeRequest,
     render_messages,
 )
+from batchinfer.server.rendering import Event, Kind, Renderer, sse_line
 
 logger = logging.getLogger(__name__)
-Kind = Literal["completion", "chat"]
-Event = tuple[int, RequestOutput]  # (prompt index, output)
 _ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
-_OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
-_CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
-# JSON has no -inf: a token masked out by top-k / top-p reports this (as vLLM does).
-_MIN_LOGPROB = -9999.0
 RETRY_AFTER_S = 1
 
 
@@ -67,18 +63,44 @@ class OpenAIServing:
         params = _checked(body.sampling_params)
         prompts: list[Prompt] = list(_checked(body.prompts))
         scheduling = _checked(lambda: body.scheduling(request.headers.get("x-service-tier")))
+        form = OutputForm(params.structured_output, _checked(lambda: body.constraint_field))
         return await self._run("completion", prompts, params, scheduling, body.stream,
-                               body.include_usage, "max_tokens", request)
+                               body.include_usage, "max_tokens", request, form)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = _checked(body.sampling_params)
         chat = _checked(body.chat)
+        tools = _checked(body.tool_use)
         scheduling = _checked(lambda: body.scheduling(request.headers.get("x-service-tier")))
+        form = OutputForm(params.structured_output, _checked(lambda: body.constraint_field),
+                          tools)
+        if tools is not None and tools.forced:
+            params, form = self._forced_tool_call(params, form, tools)
         max_tokens_param = "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens_param = "max_completion_tokens"
         return await self._run("chat", [chat], params, scheduling, body.stream,
-                               body.include_usage, max_tokens_param, request)
+                               body.include_usage, max_tokens_param, request, form)
+
+    def _forced_tool_call(
+        self, params: SamplingParams, form: OutputForm, tools: ToolUse
+    ) -> tuple[SamplingParams, OutputForm]:
+        """`tool_choice` required or a named function: the grammar of a call in the model's
+        tool syntax constrains the output."""
+        if form.structured_output is not None:
+            raise APIError(400, f"tool_choice {tools.choice} cannot be combined with "
+                           f"{form.param}: the tool call is the output's form", param="tool_choice")
+        try:
+            tag = tool_call_tag(self.tool_format, tools.tools, tools.tool_choice, tools.parallel)
+            spec = StructuredOutput(structural_tag=json.dumps(tag))
+        except ValueError as exc:
+            raise APIError(400, f"tool_choice: {exc}", param="tool_choice") from None
+        return dataclasses.replace(params, structured_output=spec), \
+            OutputForm(spec, "tools", tools)
+
+    @property
+    def tool_format(self) -> str:
+        return self.llm.engine.processor.tool_format
 
     async def _run(
         self,
@@ -90,6 +112,7 @@ class OpenAIServing:
         include_usage: bool,
         max_tokens_param: str,
         request: Request,
+        form: OutputForm,
     ) -> Response:
         response_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
         ids = [response_id]
@@ -97,11 +120,13 @@ class OpenAIServing:
             ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         # Every prompt is tokenized and validated (off the loop) before any is queued.
         requests = await asyncio.to_thread(self._process, prompts, params, scheduling, ids,
-                                         max_tokens_param)
+                                         max_tokens_param, form)
         self._check_capacity(requests)
         output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         events = _merge(self.llm.generate_many(requests, output_kind))
-        render = _Renderer(kind, response_id, self.model_name, params.n, self.token_text)
+        reads_calls = form.tools is not None and form.tools.choice != "none"
+        render = Renderer(kind, response_id, self.model_name, params.n, self.token_text,
+                           self.tool_format if reads_calls else None)
         if not stream:
             try:
                 finals = await _unless_disconnected(_last_per_prompt(events), request)
@@ -128,7 +153,7 @@ class OpenAIServing:
 
     async def _sse(
         self,
-        render: _Renderer,
+        render: Renderer,
         first: Event,
         events: AsyncGenerator[Event, None],
         include_usage: bool,
@@ -146,24 +171,29 @@ class OpenAIServing:
             error = _api_error(exc, request)
             if error.status_code >= 500:
                 logger.error("stream %s failed: %s", render.response_id, exc)
-            yield _sse_line({"error": error.body()["error"]})
+            yield sse_line({"error": error.body()["error"]})
         finally:
             await events.aclose()
         yield b"data: [DONE]\n\n"
 
     def _process(
         self, prompts: list[Prompt], params: SamplingParams, scheduling: SchedulingOptions,
-        ids: list[str], max_tokens_param: str,
+        ids: list[str], max_tokens_param: str, form: OutputForm,
     ) -> list[EngineRequest]:
         processor = self.llm.engine.processor
         max_model_len = self.llm.max_model_len
+        tools = form.tools.tools if form.tools is not None else None
         requests = []
         for i, (prompt, request_id) in enumerate(zip(prompts, ids, strict=True)):
             where = f"prompt[{i}]: " if len(prompts) > 1 else ""
             try:
-                request = processor.process(prompt, params, request_id, scheduling=scheduling)
+                request = processor.process(prompt, params, request_id, scheduling=scheduling,
+                                            tools=tools)
             except ValueError as exc:  # the prompt's, or a field checked against the model
                 param = getattr(exc, "param", "prompt")
+                if param == "structured_output" and form.param is not None:
+                    param = form.param  # the field the client wrote
+                    exc = ValueError(str(exc).replace("structured_output", form.param, 1))
                 prefix = where if param == "prompt" else ""
                 raise APIError(400, f"{prefix}{exc}", param=param) from None
             num_prompt = len(request.prompt_token_ids)
@@ -194,7 +224,8 @@ class OpenAIServing:
         """vLLM's `/tokenize`: `{"tokens", "count", "max_model_len"}`."""
         if (messages := body.messages) is not None:
             chat = _checked(lambda: render_messages(messages))
-            _, token_ids = self.llm.tokenize(chat)
+            tools = _checked(lambda: tool_use_of(body.tools, None, None))
+            _, token_ids = self.llm.tokenize(chat, tools.tools if tools is not None else None)
         elif body.prompt is not None:
             tokenizer = self.llm.tokenizer
             token_ids = list(tokenizer.encode(body.prompt,
@@ -306,163 +337,3 @@ async def _unless_disconnected(work: Any, request: Request) -> Any:
     """Await `work` (a generation, or a stream's first event) with engine errors mapped to
     HTTP; None, with `work` cancelled, if the client disconnects first."""
     return await unless_disconnected(_engine_call(work, request), request)
-
-
-# --------------------------------------------------------------------------- rendering
-@dataclass(slots=True)
-class _ChoiceState:
-    num_tokens: int = 0
-    finished: bool = False
-    role_sent: bool = False
-
-
-class _Renderer:
-    """Builds the JSON of one response: streamed chunks from successive outputs, or the final
-    body; tracks what each choice has sent and the usage."""
-
-    def __init__(
-        self, kind: Kind, response_id: str, model: str, n: int, token_text: Any
-    ) -> None:
-        self.kind = kind
-        self.response_id = response_id
-        self.model = model
-        self.n = n
-        self.token_text = token_text
-        self.created = int(time.time())
-        self.choices: dict[int, _ChoiceState] = {}
-        self.prompt_tokens: dict[int, int] = {}
-
-    # ---- streaming (DELTA outputs: each carries only what is new)
-    def chunks(self, event: Event) -> bytes:
-        prompt_index, output = event
-        self.prompt_tokens[prompt_index] = output.num_prompt_tokens
-        lines = []
-        for completion in output.outputs:
-            choice = self._delta(prompt_index * self.n + completion.index, completion)
-            if choice is not None:
-                lines.append(_sse_line(self._envelope(_CHUNK_OBJECT[self.kind], [choice])))
-        return b"".join(lines)
-
-    def _delta(self, index: int, completion: CompletionOutput) -> dict[str, Any] | None:
-        state = self.choices.setdefault(index, _ChoiceState())
-        if state.finished:
-            return None
-        text = completion.text
-        logprobs = completion.logprobs or []
-        finished = completion.finish_reason is not None
-        state.num_tokens += len(completion.token_ids)
-        if not text and not logprobs and not finished and (state.role_sent or self.kind != "chat"):
-            return None
-        state.finished = finished
-        has_logprobs = completion.logprobs is not None
-        if self.kind == "completion":
-            return self._completion_choice(index, text, logprobs if has_logprobs else None,
-                                           completion)
-        delta: dict[str, Any] = {"content": text}
-        if not state.role_sent:
-            delta = {"role": "assistant", "content": text}
-            state.role_sent = True
-        return _with_extensions({
-            "index": index,
-            "delta": delta,
-            "logprobs": self._chat_logprobs(logprobs) if has_logprobs else None,
-            "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        }, completion)
-
-    def usage_chunk(self) -> bytes:
-        num_completion = sum(s.num_tokens for s in self.choices.values())
-        body = self._envelope(_CHUNK_OBJECT[self.kind], [])
-        body["usage"] = _usage(sum(self.prompt_tokens.values()), num_completion)
-        return _sse_line(body)
-
-    # ---- whole response
-    def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
-        choices = []
-        num_prompt = num_completion = 0
-        for prompt_index in sorted(finals):
-            output = finals[prompt_index]
-            num_prompt += output.num_prompt_tokens
-            for completion in output.outputs:
-                num_completion += len(completion.token_ids)
-                index = prompt_index * self.n + completion.index
-                logprobs = completion.logprobs
-                if self.kind == "completion":
-                    choices.append(self._completion_choice(index, completion.text, logprobs,
-                                                           completion))
-                    continue
-                choices.append(_with_extensions({
-                    "index": index,
-                    "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": self._chat_logprobs(logprobs) if logprobs is not None else None,
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                }, completion))
-        body = self._envelope(_OBJECT[self.kind], choices)
-        body["usage"] = _usage(num_prompt, num_completion)
-        return body
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.response_id, "object": obj, "created": self.created,
-                "model": self.model, "choices": choices}
-
-    def _completion_choice(
-        self,
-        index: int,
-        text: str,
-        logprobs: Sequence[TokenLogprobs] | None,
-        completion: CompletionOutput,
-    ) -> dict[str, Any]:
-        return _with_extensions({
-            "index": index,
-            "text": text,
-            "logprobs": self._completion_logprobs(logprobs) if logprobs is not None else None,
-            "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        }, completion)
-
-    def _completion_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
-        tokens = [self.token_text(e.token_id) for e in entries]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": [{self.token_text(t): _finite(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets,
-        }
-
-    def _chat_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
-        return {"content": [
-            dict(self._chat_token(e.token_id, e.logprob),
-                 top_logprobs=[self._chat_token(t, lp) for t, lp in e.top])
-            for e in entries
-        ]}
-
-    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
-
-
-def _with_extensions(choice: dict[str, Any], completion: CompletionOutput) -> dict[str, Any]:
-    """`elastic_max_tokens`: the cap that ended the choice ("length") when it was an elastic
-    cap under KV pressure rather than the request's own max_tokens."""
-    if completion.elastic_max_tokens is not None:
-        choice["elastic_max_tokens"] = completion.elastic_max_tokens
-    return choice
-
-
-def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
-
-
-def _finite(logprob: float) -> float:
-    return logprob if logprob > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def _sse_line(body: dict[str, Any]) -> bytes:
-    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + data.encode() + b"\n\n"

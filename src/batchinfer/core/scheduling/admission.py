@@ -59,31 +59,44 @@ def batch_due(
 
 @dataclass(slots=True)
 class AdmissionSize:
-    """Admitting a waiting request now: the `cached` blocks of its prefix it shares, the blocks
-    its whole known context adds to those in use (`whole`: new ones + cached ones nobody holds),
-    where its first chunk starts and how long it is, and the blocks that chunk adds (`take`)."""
+    """Admitting a waiting request now: the `cached` blocks of its prefix it shares (holding
+    those from block number `first_block` on: the ones before lie outside the sliding window),
+    the blocks its whole known context adds to those in use (`whole`: new ones + cached ones
+    nobody holds; with a sliding window, at most what it holds at once), where its first chunk
+    starts and how long it is, and the blocks that chunk adds (`take`)."""
 
     cached: list[int]
     whole: int
     start: int
     num_new: int
     take: int
+    first_block: int = 0
 
 
 def admission_size(
-    request: Request, budget: int, cached: list[int], num_reused: int, block_size: int
+    request: Request, budget: int, cached: list[int], num_reused: int, block_size: int,
+    first_block: int = 0, max_held_blocks: int | None = None,
 ) -> AdmissionSize:
-    """What admitting `request` takes within `budget` tokens, given its `cached` prefix blocks
-    of which `num_reused` are held by nobody (they leave the free count when shared)."""
+    """What admitting `request` takes within `budget` tokens, given its `cached` prefix blocks,
+    of which it holds those from `first_block` on (the first block its window reaches; a
+    swapped-out request's first swapped block) and `num_reused` of those are held by nobody
+    (they leave the free count when shared); `max_held_blocks` bounds what a request holds at
+    once under a sliding window (None: no window)."""
     # Swapped out: its KV comes back into new blocks; else its cached prefix is not computed.
     start = request.num_computed_tokens if request.swap_blocks else len(cached) * block_size
     num_new = min(request.num_tokens - start, budget)
+    held = max(0, len(cached) - first_block)
+    take = cdiv(start + num_new, block_size) - first_block - held + num_reused
+    whole_blocks = cdiv(request.num_tokens, block_size) - first_block
+    if max_held_blocks is not None:
+        whole_blocks = min(whole_blocks, max_held_blocks)
     return AdmissionSize(
         cached=cached,
-        whole=cdiv(request.num_tokens, block_size) - len(cached) + num_reused,
+        whole=max(take, whole_blocks - held + num_reused),
         start=start,
         num_new=num_new,
-        take=cdiv(start + num_new, block_size) - len(cached) + num_reused,
+        take=take,
+        first_block=first_block,
     )
 
 

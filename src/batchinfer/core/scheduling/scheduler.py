@@ -18,6 +18,8 @@ queue deadlines (`deadlines`), elastic max_tokens (`elastic`) and the preemption
 (`core.preemption`). This class holds the state they read (the queue, the running set, the
 block manager, the swap pool) and applies what they decide, in the order `schedule()` reads.
 The per-request KV cap (`max_blocks_per_request`) is checked here, when a request is added.
+Under a sliding window on every layer (`kv_window`), a request's blocks before its window are
+dropped as it goes, and the block counts are what it holds at once (`window`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from batchinfer.core.scheduling.prefix_sharing import PrefixSharing
 from batchinfer.core.scheduling.spec_depth import StepCosts
 from batchinfer.core.scheduling.speculation import Speculation
 from batchinfer.core.scheduling.victims import preempting_makes_room
+from batchinfer.core.scheduling.window import KVWindow
 
 # The preemption rate is preemptions per 100 steps over this many of the last steps that ran.
 PREEMPTION_WINDOW_STEPS = 200
@@ -79,15 +82,18 @@ class Scheduler:
         num_swap_blocks: int = 0,
         preemption_costs: PreemptionCosts | None = None,
         step_costs: StepCosts | None = None,
+        kv_window: int | None = None,
     ) -> None:
         """`num_swap_blocks`: host blocks of the swap space (preemption_mode swap / auto);
         `preemption_costs`: what auto compares (measured by the worker); `step_costs`: what
-        speculative_depth auto weighs (measured by the worker)."""
+        speculative_depth auto weighs (measured by the worker); `kv_window`: the sliding window
+        every layer of the model attends over (None: some layer reads the whole context)."""
         self.config = config
         self.max_model_len = max_model_len
         self.clock = clock
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        self.window = KVWindow(kv_window, config.block_size, config.max_num_batched_tokens)
         # Prefix cache: tokens looked up and found at admission (vLLM's counters), and the
         # block keys of waiting requests (their tokens do not change while they wait).
         self.prefix_cache_queries = 0
@@ -163,7 +169,7 @@ class Scheduler:
                 f"{self.max_model_len}, which leaves no room to generate"
             )
         self._check_block_cap(request)
-        blocks = cdiv(request.num_prompt_tokens + 1, self.block_manager.block_size)
+        blocks = self.window.blocks_held(request.num_prompt_tokens + 1)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt needs {blocks} KV blocks but the whole cache has "
@@ -423,6 +429,14 @@ class Scheduler:
     def _num_blocks_held(self, request: Request) -> int:
         return len(self.block_manager.block_table(request.request_id))
 
+    def _num_blocks_pending(self, request: Request) -> int:
+        """Blocks a running request still takes for the tokens it already has (under a
+        sliding window, up to what it holds at once)."""
+        needed = self.block_manager.num_blocks_needed(request.request_id, request.num_tokens)
+        bound = self.window.max_held_blocks
+        return needed if bound is None else max(0, min(needed,
+                                                       bound - self._num_blocks_held(request)))
+
     def _output_limit(self, request: Request) -> int:
         """The most output tokens the request may produce (max_tokens, context, KV cap)."""
         limit = self.token_limit - request.num_prompt_tokens
@@ -462,9 +476,8 @@ class Scheduler:
     def _committed_blocks(self) -> int:
         """Blocks in use plus those running requests need for the tokens they already have
         (prefills under way): what the soft watermark compares against."""
-        bm = self.block_manager
-        pending = sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in self.running)
-        return bm.num_used_blocks + pending
+        pending = sum(self._num_blocks_pending(r) for r in self.running)
+        return self.block_manager.num_used_blocks + pending
 
     # ----------------------------------------------------------------- admission
     def _admit_batch(self, now: float) -> None:
@@ -511,7 +524,7 @@ class Scheduler:
                 committed = self._committed_blocks()
                 size = self._admission_size(request, budget)  # a victim's blocks may have left
             start, num_new = size.start, size.num_new
-            bm.share(request.request_id, size.cached)
+            bm.share(request.request_id, size.cached, size.first_block)
             table = bm.allocate(request.request_id, start + num_new)
             if table is None:  # not reached: `admissible` checked the free blocks
                 raise RuntimeError("admission allocated more blocks than were free")
@@ -533,7 +546,10 @@ class Scheduler:
         """What admitting a waiting request takes now (see `AdmissionSize`)."""
         bm = self.block_manager
         cached = self.prefix_sharing.cached_prefix(request)
-        return admission_size(request, budget, cached, bm.num_idle(cached), bm.block_size)
+        first = (request.swap_first_block if request.swap_blocks
+                 else self.window.first_block(len(cached) * bm.block_size))
+        return admission_size(request, budget, cached, bm.num_idle(cached[first:]),
+                              bm.block_size, first, self.window.max_held_blocks)
 
     def _preempt_for(
         self, request: Request, take: int, committed: int, whole: int, output: SchedulerOutput
@@ -549,7 +565,7 @@ class Scheduler:
         if not preempting_makes_room(
             take=take, whole=whole, committed=committed, num_free_blocks=bm.num_free_blocks,
             num_freed=bm.num_freed_by([r.request_id for r in lower]),  # blocks only they hold
-            num_pending=sum(bm.num_blocks_needed(r.request_id, r.num_tokens) for r in lower),
+            num_pending=sum(self._num_blocks_pending(r) for r in lower),
             limit=self.config.kv_admission_watermark * bm.num_blocks,
             all_yield=len(lower) == len(self.running),
         ):
@@ -630,10 +646,16 @@ class Scheduler:
 
     def _grow(self, request: Request, budget: int) -> tuple[int, list[int] | None]:
         """The request's next chunk within `budget`, and its block table grown to hold it
-        (None, nothing changed, when the blocks are not free)."""
+        (None when the blocks are not free; blocks before its window are dropped either
+        way)."""
+        bm = self.block_manager
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        table = self.block_manager.allocate(request.request_id,
-                                            request.num_computed_tokens + num_new)
+        if not request.swap_blocks:
+            bm.drop_blocks_before(request.request_id,
+                                  self.window.first_block(request.num_computed_tokens))
+        elif not bm.block_table(request.request_id):  # resumes: its table starts where the
+            bm.share(request.request_id, [], request.swap_first_block)  # swapped blocks do
+        table = bm.allocate(request.request_id, request.num_computed_tokens + num_new)
         if table is not None and request.swap_blocks:
             self._swap_in_to(request, table)
         return num_new, table
@@ -675,15 +697,20 @@ class Scheduler:
         mode, this step's swap cap, the free host blocks, the costs). Returns the mode used;
         `num_computed_tokens` becomes what was kept."""
         computed = request.num_computed_tokens
-        plan = plan_kept_kv(self.config.preemption_mode, computed, self.block_manager.block_size,
+        bm = self.block_manager
+        # What lies before its window now is not worth a copy: dropped first.
+        bm.drop_blocks_before(request.request_id, self.window.first_block(computed))
+        dropped = bm.num_dropped_blocks(request.request_id)
+        plan = plan_kept_kv(self.config.preemption_mode, computed, bm.block_size,
                             self.swap_pool.num_free,
                             self.config.max_swap_blocks_per_step - len(self._swap_out),
-                            self.preemption_costs)
+                            self.preemption_costs, dropped)
         n = plan.num_swap_blocks
         self.recomputed_tokens += computed - plan.num_kept_tokens
         request.num_computed_tokens = plan.num_kept_tokens
         if n:
-            table = self.block_manager.block_table(request.request_id)
+            table = bm.block_table(request.request_id)
+            request.swap_first_block = dropped
             request.swap_blocks = self.swap_pool.allocate(n)
             self._swap_out.extend(zip(table[:n], request.swap_blocks, strict=True))
             self.swapped_out_blocks += n
@@ -727,6 +754,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             all_token_ids=request.all_token_ids if history else None,
             sample_index=request.num_output_tokens,
+            num_dropped_blocks=self.block_manager.num_dropped_blocks(request.request_id),
         )
 
     # ----------------------------------------------------------------- stopping

@@ -1,5 +1,5 @@
 /* AVX2 + FMA + F16C (x86-64-v3, no AVX-512): the AVX-512 kernels' arithmetic in 256-bit
- * registers (the 16-bit integer products by `vpmaddwd`). */
+ * registers (the 16-bit integer products by `vpmaddwd`, the 8-bit ones by `vpmaddubsw`). */
 #include <immintrin.h>
 #include "common.h"
 
@@ -7,9 +7,9 @@
 #define BI_HELD16 1
 #define BI_FIXED_KV 1
 #define BI_PACKED_FAST 1
-#define BI_SOFTMAX_FAST 0
+#define BI_SOFTMAX_FAST 1
 #define BI_GELU_FAST 1
-#define BI_ACT8 0
+#define BI_ACT8 1
 
 /* Horizontal sum and maximum of 8 floats. */
 static inline float hsum8(__m256 v) {
@@ -24,25 +24,34 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* A group of 32 inputs as integers of at most `limit` (x * limit / its largest |x|, rounded
+ * to nearest, the default mode): qi[i] holds inputs 8i..8i+7 in 32-bit lanes. Returns that
+ * largest |x|; `*sum`: the inputs' float sum. */
+static inline __attribute__((always_inline)) float
+round_group(const float *x, float limit, __m256i qi[4], float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+    const float top = hmax8(_mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+    const __m256 inv = _mm256_set1_ps(top > TINY_GROUP ? limit / top : 0.f);
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    *sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    return top;
+}
+
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
 static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int g = 0; g < groups; g++) {
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + g * GROUP + 8 * i);
-        const float top = hmax8(_mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-        const __m256 inv = _mm256_set1_ps(top > TINY_GROUP ? 32767.f / top : 0.f);
-        __m256i qi[4];  /* round to nearest (the default mode) */
-        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        __m256i qi[4];
+        const float top = round_group(x + g * GROUP, 32767.f, qi, sum + g);
         /* narrow with saturation; packs works within 128-bit lanes: put them back in order */
         const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
         const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), a);
         _mm256_storeu_si256((__m256i *)(q + g * GROUP + 16), b);
         scale[g] = top / 32767.f;
-        sum[g] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     }
 }
 
@@ -263,12 +272,9 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int ro
  * each). */
 static inline __attribute__((always_inline)) void
 unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, __m256i *wb) {
-    const int groups = num_groups(l);
-    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
     const __m256i low = _mm256_set1_epi16(0x0f);
     for (int t = 0; t < T; t++) {
-        const uint8_t *wg = (const uint8_t *)l->weight
-                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
         __m256i *w = wb + 32 * t;
         for (int h = 0; h < 2; h++) {
             if (Q4) {  /* chunk i: pair i in the low nibbles, pair i + 8 in the high ones */
@@ -284,6 +290,29 @@ unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, _
                         _mm_loadu_si128((const __m128i *)(wg + 32 * p + 16 * h))));
             }
         }
+    }
+}
+
+/* a[0..8) += dot * s * xs (+ q4's offsets times the group's input sum). */
+static inline __attribute__((always_inline)) void
+scale_into8(const int Q4, __m256i dot, const float *s, const float *off, __m256 xs, __m256 xsum,
+            float *a) {
+    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(s), xs),
+                               _mm256_load_ps(a));
+    if (Q4) v = _mm256_fmadd_ps(_mm256_loadu_ps(off), xsum, v);
+    _mm256_store_ps(a, v);
+}
+
+/* y += the held kernels' sums `acc` (rows of HELD_TILES * TILE_Q) of tiles [tile, tile + T). */
+static inline void finish_held(const bi_linear *l, int tile, int T, const float *acc, int rows,
+                               float *y, int64_t ldy, int accumulate) {
+    for (int t = 0; t < T; t++) {
+        const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < 2; h++)
+                finish8(y + r * ldy + (tile + t) * TILE_Q + 8 * h,
+                        _mm256_load_ps(acc + (r * HELD_TILES + t) * TILE_Q + 8 * h),
+                        bias ? bias + 8 * h : NULL, accumulate);
     }
 }
 
@@ -314,14 +343,9 @@ rows_tile16(const __m256i *w, const int Q4, const bi_input *in, int k, int group
     for (int r = 0; r < R; r++) {
         const int64_t at = (int64_t)(r0 + r) * groups + g;
         const __m256 xs = _mm256_set1_ps(in->scale[at]), xsum = _mm256_set1_ps(in->sum[at]);
-        for (int h = 0; h < 2; h++) {
-            float *a = acc + (r0 + r) * HELD_TILES * TILE_Q + 8 * h;
-            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][h]),
-                                       _mm256_mul_ps(_mm256_loadu_ps(s + 8 * h), xs),
-                                       _mm256_load_ps(a));
-            if (Q4) v = _mm256_fmadd_ps(_mm256_loadu_ps(off + 8 * h), xsum, v);
-            _mm256_store_ps(a, v);
-        }
+        for (int h = 0; h < 2; h++)
+            scale_into8(Q4, d[r][h], s + 8 * h, Q4 ? off + 8 * h : NULL, xs, xsum,
+                        acc + (r0 + r) * HELD_TILES * TILE_Q + 8 * h);
     }
 }
 
@@ -341,26 +365,148 @@ held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const
             const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
             const __m256i *w = wb + 32 * t;
             float *a = acc + t * TILE_Q;
-            int r0 = 0;
-            for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS)
-                rows_tile16(w, Q4, in, k, groups, g, r0, HELD_ROWS, s, off, a);
-            switch (rows - r0) {
-            case 3: rows_tile16(w, Q4, in, k, groups, g, r0, 3, s, off, a); break;
-            case 2: rows_tile16(w, Q4, in, k, groups, g, r0, 2, s, off, a); break;
-            case 1: rows_tile16(w, Q4, in, k, groups, g, r0, 1, s, off, a); break;
-            default: break;
+#define ROWS16(R0, R) rows_tile16(w, Q4, in, k, groups, g, R0, R, s, off, a)
+            FOR_HELD_ROWS(rows, ROWS16);
+#undef ROWS16
+        }
+    }
+    finish_held(l, tile, T, acc, rows, y, ldy, accumulate);
+}
+
+/* ---- 8-bit activations (opt-in, many rows; see the AVX-512 file) ----------------------
+ *
+ * `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed ones and adds neighbours into 16-bit
+ * lanes; `vpmaddwd` by ones adds those pairs into 32-bit lanes: four inputs against four
+ * weights of 8 outputs, one output per 32-bit lane, as one `vpdpbusd` does for 16 outputs.
+ * The held weights are the unsigned operand, the inputs (signed, -127..127) the other:
+ *   q4: weights 0..15, so a 16-bit lane holds at most 2 x 15 x 127 = 3,810 and a group's
+ *       eight four-input steps add up in 16 bits (at most 30,480) before one `vpmaddwd`
+ *       widens them: one multiply and one add per 32 products;
+ *   q8: weights -127..127 held as |w| and w, each input taking the weight's sign
+ *       (`vpsignb`, llama.cpp's way for Q8_0 x Q8_0); a lane holds up to 2 x 128 x 127, so
+ *       each step widens at once: two multiplies, a sign and an add per 32 products, as many
+ *       multiplies as the 16-bit inputs' `vpmaddwd` takes (the saving is the held weights'
+ *       size: half the bytes read from L1).
+ * The inputs' rounding is the AVX-512 one (largest |x| / 127, nearest), so the two levels
+ * compute the same integers. */
+
+/* Groups of one row into int8, scales and float sums; `flip` (the AVX-512 form's unsigned
+ * inputs for q8) is not needed here: the inputs stay signed. */
+static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale, float *sum,
+                             int flip) {
+    (void)flip;
+    /* packs work within 128-bit lanes: the 32-bit groups of four come out as 0 2 4 6 1 3 5 7 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int g = 0; g < groups; g++) {
+        __m256i qi[4];
+        const float top = round_group(x + g * GROUP, 127.f, qi, sum + g);
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                                 _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
+        scale[g] = top / 127.f;
+    }
+}
+
+/* One group's weights of T tiles as four-input lanes: `wb[t][m][h]` holds outputs 8h..8h+7
+ * of tile t, their weights for inputs 4m..4m+3 (q4: 0..15; q8: |w|, with w itself in
+ * `ws[t][m][h]` for its signs). Chunks 2m and 2m + 1 hold the quad's two pairs, output j's in
+ * 16-bit word j: interleaving their words puts an output's four bytes in one lane. */
+static inline __attribute__((always_inline)) void
+unpack_group8(const bi_linear *l, const int Q4, int tile, const int T, int g, __m256i *wb,
+              __m256i *ws) {
+    const __m256i nibbles = _mm256_set1_epi8(0x0f);
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
+        __m256i *w = wb + 16 * t, *s = ws + 16 * t;
+        for (int m = 0; m < (Q4 ? 4 : 8); m++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(wg + 64 * m));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(wg + 64 * m + 32));
+            /* per 128-bit lane (outputs 0..7, 8..15): outputs 0..3 | 4..7 of the half */
+            const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+            const __m256i v[2] = {_mm256_permute2x128_si256(lo, hi, 0x20),
+                                  _mm256_permute2x128_si256(lo, hi, 0x31)};
+            for (int h = 0; h < 2; h++) {
+                if (Q4) {  /* low nibbles: inputs 4m..; high ones: 16 + 4m.. */
+                    _mm256_store_si256(w + 2 * m + h, _mm256_and_si256(v[h], nibbles));
+                    _mm256_store_si256(w + 2 * (m + 4) + h,
+                                       _mm256_and_si256(_mm256_srli_epi16(v[h], 4), nibbles));
+                } else {
+                    _mm256_store_si256(w + 2 * m + h, _mm256_abs_epi8(v[h]));
+                    _mm256_store_si256(s + 2 * m + h, v[h]);
+                }
             }
         }
     }
-    for (int t = 0; t < T; t++) {
-        const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
-        for (int r = 0; r < rows; r++)
-            for (int h = 0; h < 2; h++)
-                finish8(y + r * ldy + (tile + t) * TILE_Q + 8 * h,
-                        _mm256_load_ps(acc + (r * HELD_TILES + t) * TILE_Q + 8 * h),
-                        bias ? bias + 8 * h : NULL, accumulate);
+}
+
+/* R (1..4) rows x one tile of one group of 8-bit inputs: a chain per (row, half), then each
+ * row's `acc` (HELD_TILES * TILE_Q floats apart, this tile's 16 first) += the products,
+ * scaled (and q4's offsets times the group's input sum). */
+static inline __attribute__((always_inline)) void
+rows_tile8(const __m256i *w, const __m256i *ws, const int Q4, const int8_t *xq, const float *xs,
+           const float *xsum, int k, int groups, int g, int r0, const int R, const float *s,
+           const float *off, float *acc) {
+    __asm__("" : "+r"(w), "+r"(ws));  /* see the AVX-512 rows_tiles16_4x4 */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i d[HELD_ROWS][2];
+    const int32_t *xp[HELD_ROWS];
+    for (int r = 0; r < R; r++) {
+        xp[r] = (const int32_t *)(xq + (int64_t)(r0 + r) * k + g * GROUP);
+        d[r][0] = d[r][1] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; m++) {
+        const __m256i w0 = _mm256_load_si256(w + 2 * m), w1 = _mm256_load_si256(w + 2 * m + 1);
+        for (int r = 0; r < R; r++) {
+            const __m256i x = _mm256_set1_epi32(xp[r][m]);
+            if (Q4) {  /* 16-bit sums: widened once per group, below */
+                d[r][0] = _mm256_add_epi16(d[r][0], _mm256_maddubs_epi16(w0, x));
+                d[r][1] = _mm256_add_epi16(d[r][1], _mm256_maddubs_epi16(w1, x));
+            } else {
+                const __m256i p0 = _mm256_maddubs_epi16(
+                    w0, _mm256_sign_epi8(x, _mm256_load_si256(ws + 2 * m)));
+                const __m256i p1 = _mm256_maddubs_epi16(
+                    w1, _mm256_sign_epi8(x, _mm256_load_si256(ws + 2 * m + 1)));
+                d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(p0, ones));
+                d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(p1, ones));
+            }
+            KEEP_CHAINS(d[r][0], d[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (int64_t)(r0 + r) * groups + g;
+        const __m256 xsv = _mm256_set1_ps(xs[at]), xsumv = _mm256_set1_ps(xsum[at]);
+        for (int h = 0; h < 2; h++)
+            scale_into8(Q4, Q4 ? _mm256_madd_epi16(d[r][h], ones) : d[r][h], s + 8 * h,
+                        Q4 ? off + 8 * h : NULL, xsv, xsumv,
+                        acc + (r0 + r) * HELD_TILES * TILE_Q + 8 * h);
     }
 }
+
+/* Tiles [tile, tile + T) for up to BLOCK_ROWS rows of 8-bit inputs (see held_tiles16_kind). */
+static inline __attribute__((always_inline)) void
+held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const int8_t *xq,
+                 const float *xs, const float *xsum, int rows, float *y, int64_t ldy,
+                 int accumulate) {
+    const int groups = num_groups(l), k = l->k;
+    __m256i wb[HELD_TILES * 16], ws[HELD_TILES * 16];  /* ws: q8 only */
+    float acc[BLOCK_ROWS * HELD_TILES * TILE_Q] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof(float) * rows * HELD_TILES * TILE_Q);
+    for (int g = 0; g < groups; g++) {
+        unpack_group8(l, Q4, tile, T, g, wb, ws);
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(tile + t) * groups + g) * TILE_Q;
+            const float *s = l->scale + at, *off = Q4 ? l->offset + at : NULL;
+            const __m256i *w = wb + 16 * t, *sg = ws + (Q4 ? 0 : 16 * t);
+            float *a = acc + t * TILE_Q;
+#define ROWS8(R0, R) rows_tile8(w, sg, Q4, xq, xs, xsum, k, groups, g, R0, R, s, off, a)
+            FOR_HELD_ROWS(rows, ROWS8);
+#undef ROWS8
+        }
+    }
+    finish_held(l, tile, T, acc, rows, y, ldy, accumulate);
+}
+
 
 /* e^x as the AVX-512 exp_ps computes it, 2^r built from r's exponent bits (r in [-126, 127]
  * after the clamp, so a normal float). */
@@ -569,6 +715,34 @@ BI_INLINE int64_t gelu_span(float *x, int64_t i, int64_t end) {
 }
 
 /* ---- the packed attention (see cpu_kernels.c): the AVX-512 kernels 8 lanes wide -------- */
+
+/* One softmax row of the packed attention: exp(s - max) over its n scores (the last few
+ * under a mask, the scores past them left as they are); *inv = 1 / sum. */
+BI_INLINE int softmax_row_fast(float *s, int n, float *inv) {
+    const int tail = n % 8, whole = n - tail;
+    const __m256i mask = tail_mask8(tail);
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < whole; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    if (tail)  /* the lanes past n keep -inf */
+        m = _mm256_max_ps(m, _mm256_blendv_ps(m, _mm256_maskload_ps(s + whole, mask),
+                                              _mm256_castsi256_ps(mask)));
+    const __m256 mv = _mm256_set1_ps(hmax8(m));
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < whole; j += 8) {
+        const __m256 p = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    if (tail) {
+        const __m256 p = _mm256_and_ps(
+            exp8_ps(_mm256_sub_ps(_mm256_maskload_ps(s + whole, mask), mv)),
+            _mm256_castsi256_ps(mask));
+        _mm256_maskstore_ps(s + whole, mask, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    *inv = 1.f / hsum8(acc);
+    return 1;
+}
 
 /* scores[r][j] = q_r . kt[:, j] for r < R, j < n rounded up to 8 (kt: `[D][ldk]`, zero past
  * n): 24 keys a pass for 4 rows (12 accumulators, three key vectors and a broadcast fill the

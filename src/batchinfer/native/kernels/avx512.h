@@ -138,12 +138,9 @@ f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
  * each of the tile's 16 outputs' weights for inputs 2p and 2p + 1 (one 32-bit lane each). */
 static inline __attribute__((always_inline)) void
 unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, __m512i *wb) {
-    const int groups = num_groups(l);
-    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
     const __m512i low = _mm512_set1_epi16(0x0f);
     for (int t = 0; t < T; t++) {
-        const uint8_t *wg = (const uint8_t *)l->weight
-                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
         __m512i *w = wb + 16 * t;
         if (Q4) {  /* chunk i: pair i in the low nibbles, pair i + 8 in the high ones */
             for (int i = 0; i < 8; i++) {
@@ -259,20 +256,14 @@ held_tiles16_kind(const bi_linear *l, const int Q4, int tile, const int T, const
             s[t] = _mm512_loadu_ps(l->scale + at);
             off[t] = Q4 ? _mm512_loadu_ps(l->offset + at) : _mm512_setzero_ps();
         }
-        int r0 = 0;
-        for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS) {
-            if (T == HELD_TILES)
-                rows_tiles16_4x4(wb, Q4, in, k, groups, g, r0, (const float *)s,
-                                 (const float *)off, acc);
-            else
-                rows_tiles16(wb, Q4, T, in, k, groups, g, r0, HELD_ROWS, s, off, acc);
-        }
-        switch (rows - r0) {
-        case 3: rows_tiles16(wb, Q4, T, in, k, groups, g, r0, 3, s, off, acc); break;
-        case 2: rows_tiles16(wb, Q4, T, in, k, groups, g, r0, 2, s, off, acc); break;
-        case 1: rows_tiles16(wb, Q4, T, in, k, groups, g, r0, 1, s, off, acc); break;
-        default: break;
-        }
+#define ROWS16(R0, R)                                                                     \
+    if ((R) == HELD_ROWS && T == HELD_TILES)                                              \
+        rows_tiles16_4x4(wb, Q4, in, k, groups, g, R0, (const float *)s, (const float *)off, \
+                         acc);                                                            \
+    else                                                                                  \
+        rows_tiles16(wb, Q4, T, in, k, groups, g, R0, R, s, off, acc)
+        FOR_HELD_ROWS(rows, ROWS16);
+#undef ROWS16
     }
     for (int t = 0; t < T; t++) {
         const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
@@ -321,12 +312,9 @@ static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale
 static inline __attribute__((always_inline)) void
 unpack_group8(const bi_linear *l, const int Q4, int tile, const int T, int g, __m512i *wb,
               __m512i *wsum) {
-    const int groups = num_groups(l);
-    const int64_t chunk_bytes = Q4 ? 8 * 32 : 16 * 32;
     const __m512i nibbles = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
     for (int t = 0; t < T; t++) {
-        const uint8_t *wg = (const uint8_t *)l->weight
-                            + ((int64_t)(tile + t) * groups + g) * chunk_bytes;
+        const uint8_t *wg = group_bytes(l, Q4, tile + t, g);
         __m512i *w = wb + 8 * t, sum = _mm512_setzero_si512();
         for (int m = 0; m < (Q4 ? 4 : 8); m++) {
             /* lane j: output j's 16-bit pair from chunk 2m, then chunk 2m + 1's */
@@ -444,20 +432,13 @@ held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const 
             s[t] = t < T ? _mm512_loadu_ps(l->scale + at) : _mm512_setzero_ps();
             off[t] = Q4 && t < T ? _mm512_loadu_ps(l->offset + at) : _mm512_setzero_ps();
         }
-        int r0 = 0;
-        for (; r0 + HELD_ROWS <= rows; r0 += HELD_ROWS) {
-            if (T == HELD_TILES)
-                rows_tiles8_4x4(wb, wsum, Q4, xq, xs, xsum, k, groups, g, r0, s, off, acc);
-            else
-                rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, HELD_ROWS, s, off,
-                            acc);
-        }
-        switch (rows - r0) {
-        case 3: rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, 3, s, off, acc); break;
-        case 2: rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, 2, s, off, acc); break;
-        case 1: rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, r0, 1, s, off, acc); break;
-        default: break;
-        }
+#define ROWS8(R0, R)                                                                      \
+    if ((R) == HELD_ROWS && T == HELD_TILES)                                              \
+        rows_tiles8_4x4(wb, wsum, Q4, xq, xs, xsum, k, groups, g, R0, s, off, acc);        \
+    else                                                                                  \
+        rows_tiles8(wb, wsum, Q4, T, xq, xs, xsum, k, groups, g, R0, R, s, off, acc)
+        FOR_HELD_ROWS(rows, ROWS8);
+#undef ROWS8
     }
     for (int t = 0; t < T; t++) {
         const float *bias = l->bias ? l->bias + (tile + t) * TILE_Q : NULL;
@@ -465,17 +446,6 @@ held_tiles8_kind(const bi_linear *l, const int Q4, int tile, const int T, const 
             finish16(y + r * ldy + (tile + t) * TILE_Q,
                      _mm512_load_ps(acc + (r * HELD_TILES + t) * TILE_Q), bias, accumulate);
     }
-}
-
-static void held_tiles8(const bi_linear *l, int tile, int T, const int8_t *xq, const float *xs,
-                        const float *xsum, int rows, float *y, int64_t ldy, int accumulate) {
-#define HELD8(Q, N) held_tiles8_kind(l, Q, tile, N, xq, xs, xsum, rows, y, ldy, accumulate)
-    const int q4 = l->kind == BI_Q4;
-    if (T == 4) { if (q4) HELD8(1, 4); else HELD8(0, 4); }
-    else if (T == 3) { if (q4) HELD8(1, 3); else HELD8(0, 3); }
-    else if (T == 2) { if (q4) HELD8(1, 2); else HELD8(0, 2); }
-    else { if (q4) HELD8(1, 1); else HELD8(0, 1); }
-#undef HELD8
 }
 #endif
 

@@ -31,7 +31,11 @@
  * cpu_kernels.c after this header (all `static`, so each build holds one level):
  *   BI_ISA_NAME                  the level's name (`bi_isa()`);
  *   BI_HELD16, held_tiles16_kind 1 where the level has held-weight kernels for many rows;
- *   BI_ACT8, quantize_groups8, held_tiles8   1 where it has 8-bit-input products;
+ *   BI_ACT8, quantize_groups8, held_tiles8_kind
+ *                                1 where it has 8-bit-input products (the inputs rounded by
+ *                                their group's largest |x| / 127 to nearest: the same integers
+ *                                at every level; `flip`, set for q8 weights, lets a level
+ *                                store them in its own form);
  *   BI_FIXED_KV, block_scores_fixed, block_values_fixed   1 where the decode attention reads
  *                                keys and values in place for head sizes 64 and 128;
  *   quantize_groups              a row's groups of 32 into 16-bit integers, scales and sums;
@@ -99,6 +103,13 @@ typedef struct {
 } bi_model;
 
 static inline int num_groups(const bi_linear *l) { return l->k / GROUP; }
+
+/* Where group g of tile `tile` of a quantized linear's packed weights starts (`q4`: its
+ * kind is BI_Q4: 8 chunks of 32 bytes a group, else 16). */
+static inline const uint8_t *group_bytes(const bi_linear *l, int q4, int tile, int g) {
+    return (const uint8_t *)l->weight + ((int64_t)tile * num_groups(l) + g) * (q4 ? 256 : 512);
+}
+
 static inline int tile_of(const bi_linear *l) { return l->kind == BI_F32 ? TILE_F32 : TILE_Q; }
 
 /* A linear's input rows as its kernel reads them: float32 rows (BI_F32), or per group of 32
@@ -138,6 +149,20 @@ static inline void finish(float *y, int j, float v, const float *bias, int accum
 
 /* Query rows the packed attention scores per pass. */
 #define QROWS 4
+
+/* CALL(r0, R) over rows [0, rows): HELD_ROWS at a time, then the remainder (1..3); R is a
+ * constant in each call, so that the held kernels keep their accumulators in registers. */
+#define FOR_HELD_ROWS(rows, CALL)                                                         \
+    do {                                                                                  \
+        int r0_ = 0;                                                                      \
+        for (; r0_ + HELD_ROWS <= (rows); r0_ += HELD_ROWS) CALL(r0_, HELD_ROWS);         \
+        switch ((rows) - r0_) {                                                           \
+        case 3: CALL(r0_, 3); break;                                                      \
+        case 2: CALL(r0_, 2); break;                                                      \
+        case 1: CALL(r0_, 1); break;                                                      \
+        default: break;                                                                   \
+        }                                                                                 \
+    } while (0)
 
 /* One tile for `rows` (1..4) input rows; constant row counts let the compiler keep every
  * accumulator in a register. */

@@ -3,10 +3,11 @@ and how K/V are stored in it (as is, or as FP8 with a per-layer scale)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from batchinfer.models.spec import LayerAttention
 from batchinfer.runner.input_batch import AttentionMetadata
 from batchinfer.runner.kv_cache import KVCacheSpec
 
@@ -39,6 +40,10 @@ class BackendBase:
     Swap space (`allocate_swap_space`): host blocks in the cache's own layout, `block_dim` being
     the dimension that numbers blocks; `swap_out` / `swap_in` copy whole blocks, bytes as they
     are (an FP8 block keeps its layer's scales, which are per layer, not per block).
+
+    `layers` says how each layer attends (`LayerAttention`: scale, sliding window,
+    soft-capping; `set_layers`); a backend without them attends every layer causally over its
+    whole context at `1 / sqrt(head_dim)`.
     """
 
     name = "base"
@@ -57,6 +62,18 @@ class BackendBase:
         self.kv_scales: list[tuple[float, float]] = []
         self._calibrated: list[bool] = []
         self.swap_space = torch.empty(0, dtype=kv_dtype)
+        self.layers: tuple[LayerAttention, ...] = ()
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        """How each layer attends from now on (one entry per layer, or none: plain)."""
+        self.layers = tuple(layers)
+
+    def layer(self, layer_idx: int, head_dim: int) -> LayerAttention:
+        """How layer `layer_idx` attends (plain causal at `1 / sqrt(head_dim)` without
+        `layers`)."""
+        if self.layers:
+            return self.layers[layer_idx]
+        return LayerAttention(head_dim**-0.5)
 
     def quantize(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor

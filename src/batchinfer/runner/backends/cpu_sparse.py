@@ -5,18 +5,25 @@ context position, its sparsity pattern naming the cache row of each key) and the
 of values an `embedding_bag` over the value rows. Each key and value is read once from memory
 (the query heads sharing it find it in cache), where gather + SDPA (`gather`) writes and
 re-reads a copy of the context, so this is faster on CPU (figures in docs/architecture.md,
-"Attention backends"). Both ops are float32-only on CPU, hence only for such caches.
+"Attention backends"). Both ops are float32-only on CPU, hence only for such caches. A layer's
+sliding window joins the padding in the additive mask; soft-capped scores are capped between
+the product and the softmax.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from batchinfer.runner.backends.paged_rows import DecodeGroup, DecodeGrouping, PagedRowsBackend
+from batchinfer.runner.backends.paged_rows import (
+    DecodeGroup,
+    DecodeGrouping,
+    PagedRowsBackend,
+    decode_visible,
+)
 
 # A group is cut past this padding (see `DecodeGrouping`) or this padded size: padding is
 # computed in full here, against the fixed cost of one more group (per layer).
@@ -59,28 +66,37 @@ class _SparseDecode:
     """Decode attention of one group straight from the cache rows, without gathering them."""
 
     positions: torch.Tensor  # [n, max_len] row of KV head 0's key at each context position
-    mask: torch.Tensor  # [n, 1, max_len] 0 at context positions, -inf at padding
+    group: DecodeGroup
     head_rows: int  # rows between one KV head's keys and the next's (= block_size)
     value_offset: int  # a value's row is its key's + this (see `paged_rows`)
     # Built at the first call, once the number of query heads is known:
     key_rows: torch.Tensor | None = None  # [n * heads, max_len] key row per (query head, pos)
     pattern: torch.Tensor | None = None  # CSR [n * heads, cache rows] with `key_rows`
+    # Per window (None: whole contexts), [n, 1, max_len] 0 where a query sees the key, -inf
+    # at padding and before the window.
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, group: DecodeGroup, block_size: int, num_kv_heads: int) -> _SparseDecode:
         positions = group.positions
         blocks = group.blocks_at(positions // block_size)  # [n, max_len]
         rows = blocks * (2 * num_kv_heads * block_size) + positions % block_size
-        padding = positions >= group.context_lens[:, None, None]  # [n, 1, max_len]
-        mask = torch.where(padding, float("-inf"), 0.0)
-        return cls(rows, mask, block_size, num_kv_heads * block_size)
+        return cls(rows, group, block_size, num_kv_heads * block_size)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        mask = self.masks.get(window)
+        if mask is None:
+            visible = decode_visible(self.group.positions, self.group.context_lens, window)
+            mask = self.masks[window] = torch.where(visible, 0.0, float("-inf"))[:, None, :]
+        return mask
 
     @property
     def num_gathered_rows(self) -> int:
         return 0
 
     def __call__(
-        self, q: torch.Tensor, cache_rows: torch.Tensor, scale: float, workspace: torch.Tensor
+        self, q: torch.Tensor, cache_rows: torch.Tensor, scale: float, workspace: torch.Tensor,
+        window: int | None, softcap: float | None,
     ) -> torch.Tensor:
         """Attention of `q` `[n, heads, d]` over the group's contexts: `[n, heads, d]`."""
         n, num_heads, head_dim = q.shape
@@ -95,7 +111,9 @@ class _SparseDecode:
             self.pattern, q.reshape(n * num_heads, head_dim).float(), rows.t(),
             beta=0.0, alpha=scale, out=self.pattern,
         ).values().view(n, num_heads, max_len)
-        probs = torch.add(scores, self.mask).softmax(dim=-1)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap).mul_(softcap)
+        probs = torch.add(scores, self.mask(window)).softmax(dim=-1)
         out = F.embedding_bag(
             self.key_rows, rows[self.value_offset :], mode="sum",
             per_sample_weights=probs.view(n * num_heads, max_len),

@@ -10,7 +10,9 @@ into the `[kv_heads, context_len, head_dim]` layout SDPA's matmuls want, with no
 A step: this step's K/V are written at their slots; decodes (`[0, num_decodes)`, sorted by
 context length) are cut into groups of similar length (`group_decodes`, within limits each
 backend sets) and each group attends in one call per layer, its shorter contexts padded and
-masked; longer chunks go through `prefill.attend_chunks`, reading their cached prefix by rows.
+masked (and, for a layer with a sliding window, the keys before its window); longer chunks go
+through `prefill.attend_chunks`, reading their cached prefix by rows from the first block the
+layer's window reaches.
 """
 
 from __future__ import annotations
@@ -82,10 +84,24 @@ class GroupDecode(Protocol):
         ...
 
     def __call__(
-        self, q: torch.Tensor, cache_rows: torch.Tensor, scale: float, workspace: torch.Tensor
+        self, q: torch.Tensor, cache_rows: torch.Tensor, scale: float, workspace: torch.Tensor,
+        window: int | None, softcap: float | None,
     ) -> torch.Tensor:
-        """Attention of `q` `[n, heads, d]` over the group's contexts: `[n, heads, d]`."""
+        """Attention of `q` `[n, heads, d]` over the group's contexts: `[n, heads, d]`, each
+        query seeing its context's last `window` keys (None: all), its scores soft-capped at
+        `softcap` (None: not)."""
         ...
+
+
+def decode_visible(positions: torch.Tensor, context_lens: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+    """`[n, max_len]` True where the query of a decode (the last token of its context) sees
+    the key at each of `positions` (`[max_len]`): inside its context and its window."""
+    lens = context_lens[:, None]
+    visible = positions < lens
+    if window is not None:
+        visible &= positions >= lens - window
+    return visible
 
 
 @dataclass(slots=True)
@@ -183,21 +199,25 @@ class PagedRowsBackend(BackendBase):
         block_size, head_dim = self.block_size, self.kv_cache.shape[-1]
         cache_rows = self.kv_cache[layer_idx].view(-1, block_size, head_dim)
         write_kv(cache_rows, step.write_index, *self.quantize(layer_idx, k, v))
-        scale = q.shape[-1] ** -0.5
+        layer = self.layer(layer_idx, head_dim)
         k_scale, v_scale = kv_scales = self.kv_scales[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group, decode in zip(step.groups, step.decodes, strict=True):
             span = slice(group.start, group.end)
             # FP8: q . (K k_scale) = (q . K) k_scale, and the output is linear in V.
-            attended = decode(q[span], cache_rows, scale * k_scale, self.workspace)
+            attended = decode(q[span], cache_rows, layer.scale * k_scale, self.workspace,
+                              layer.window, layer.softcap)
             out[span] = attended if v_scale == 1.0 else attended * v_scale
 
-        def read_context(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            keys, values = gather_blocks(cache_rows, step.chunk_rows[index], self.workspace)
-            context_len = step.chunks[index].context_len
-            return keys[0, :, :context_len], values[0, :, :context_len]
+        def read_context(index: int, first_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+            first_block = first_key // block_size
+            rows = step.chunk_rows[index][..., first_block:]
+            keys, values = gather_blocks(cache_rows, rows, self.workspace)
+            span = slice(first_key - first_block * block_size,
+                         step.chunks[index].context_len - first_block * block_size)
+            return keys[0, :, span], values[0, :, span]
 
-        attend_chunks(out, q, k, v, step.chunks, read_context, scale, kv_scales)
+        attend_chunks(out, q, k, v, step.chunks, read_context, layer, kv_scales)
         return out
 
 
@@ -273,6 +293,6 @@ def gather_blocks(
     _, n, num_kv_heads, num_blocks = rows.shape
     block_size, head_dim = cache_rows.shape[1:]
     gathered = workspace[: rows.numel() * block_size * head_dim].view(-1, block_size, head_dim)
-    torch.index_select(cache_rows, 0, rows.view(-1), out=gathered)
+    torch.index_select(cache_rows, 0, rows.reshape(-1), out=gathered)
     kv = gathered.view(2, n, num_kv_heads, num_blocks * block_size, head_dim)
     return kv[0], kv[1]

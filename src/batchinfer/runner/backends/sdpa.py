@@ -4,8 +4,9 @@ The simplest correct backend, for any device and dtype, against which the others
 the cache is per layer a K and a V tensor `[num_blocks, block_size, num_kv_heads, head_dim]`
 (one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`), slot `s` being
 token `s % block_size` of block `s // block_size`. Each sequence, decode or prefill chunk, reads
-its context with `cache[block_table]` and attends through `prefill.attend_chunks`: no grouping,
-no workspace, one call per sequence and layer.
+its context with `cache[block_table]` (from the first block its layer's window reaches) and
+attends through `prefill.attend_chunks`: no grouping, no workspace, one call per sequence and
+layer.
 """
 
 from __future__ import annotations
@@ -53,13 +54,17 @@ class SdpaBackend(BackendBase):
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = k_stored
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = v_stored
 
-        def read_context(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            block_ids, context_len = chunks[index].block_ids, chunks[index].context_len
-            keys = key_cache[block_ids].view(-1, num_kv_heads, head_dim)[:context_len]
-            values = value_cache[block_ids].view(-1, num_kv_heads, head_dim)[:context_len]
-            return keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, context_len, d]
+        def read_context(index: int, first_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+            chunk, block_size = chunks[index], key_cache.shape[1]
+            first_block = first_key // block_size
+            block_ids = chunk.block_ids[first_block:]
+            span = slice(first_key - first_block * block_size,
+                         chunk.context_len - first_block * block_size)
+            keys = key_cache[block_ids].view(-1, num_kv_heads, head_dim)[span]
+            values = value_cache[block_ids].view(-1, num_kv_heads, head_dim)[span]
+            return keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, len, d]
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        attend_chunks(out, q, k, v, chunks, read_context, q.shape[-1] ** -0.5,
+        attend_chunks(out, q, k, v, chunks, read_context, self.layer(layer_idx, head_dim),
                       self.kv_scales[layer_idx])
         return out

@@ -15,7 +15,9 @@ rejected token is read; when a sequence proposes, the draft first writes what it
 then proposes one token per row, k rows deep. A sequence that does not propose costs the draft
 nothing. Blocks taken from the prefix cache are assumed to hold draft K/V, as they do when the
 sequence that computed them proposed; where not, proposals are worse (never outputs: the
-target decides every token).
+target decides every token). Where the blocks before a sliding window were dropped, the draft
+writes nothing before the first block kept: the first positions it catches up there read a
+shortened context (again worse proposals at most).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchinfer.core.outputs import ScheduledSequence, SchedulerOutput
+from batchinfer.core.outputs import ScheduledSequence
+from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.speculative.verify import DRAFT_STREAM, Proposal
 
@@ -118,16 +121,20 @@ class DraftModel:
             for seq in sequences:
                 seen = self._seen[seq.request_id]
                 end = seq.num_computed_tokens + seq.num_tokens - 1
+                # Blocks before the sliding window are gone: nothing before them is written.
+                seen.num_drafted = max(seen.num_drafted,
+                                       seq.num_dropped_blocks * self.runner.block_size)
                 if seen.num_drafted < end - keep:
                     take = min(end - keep - seen.num_drafted, self.max_chunk_tokens)
                     first = seen.num_drafted - seen.start
                     chunks.append(ScheduledSequence(
                         seq.request_id, seen.tokens[first : first + take], seen.num_drafted,
-                        seq.block_table, False, seq.sampling_params, seq.num_prompt_tokens))
+                        seq.block_table, False, seq.sampling_params, seq.num_prompt_tokens,
+                        num_dropped_blocks=seq.num_dropped_blocks))
                     seen.num_drafted += take
             if not chunks:
                 return
-            self.runner.compute_logits(SchedulerOutput(chunks))
+            self.runner.compute_logits(self._inputs(chunks))
 
     def _missing_rows(self, seq: ScheduledSequence) -> list[ScheduledSequence]:
         """One-token rows (not sampling) of the positions before `seq`'s last token the draft
@@ -136,10 +143,15 @@ class DraftModel:
         end = seq.num_computed_tokens + seq.num_tokens - 1
         rows = [ScheduledSequence(seq.request_id, [seen.tokens[position - seen.start]],
                                   position, seq.block_table, False, seq.sampling_params,
-                                  seq.num_prompt_tokens)
+                                  seq.num_prompt_tokens,
+                                  num_dropped_blocks=seq.num_dropped_blocks)
                 for position in range(seen.num_drafted, end)]
         seen.num_drafted = end
         return rows
+
+    def _inputs(self, rows: list[ScheduledSequence]) -> StepInputs:
+        """The draft runner's inputs of a step of `rows`."""
+        return prepare_inputs(rows, self.runner.block_size, self.runner.device)
 
     @staticmethod
     def _row(seq: ScheduledSequence, proposed: list[int], depth: int) -> ScheduledSequence:
@@ -152,14 +164,16 @@ class DraftModel:
             block_table=seq.block_table, sample=True, sampling_params=seq.sampling_params,
             num_prompt_tokens=seq.num_prompt_tokens,
             all_token_ids=history + proposed[:depth] if history is not None else None,
-            sample_index=seq.sample_index + depth)
+            sample_index=seq.sample_index + depth, num_dropped_blocks=seq.num_dropped_blocks)
 
     def _draw(self, rows: list[ScheduledSequence], owners: list[int | None],
               tokens: dict[int, list[int]], probs: dict[int, list[torch.Tensor]]) -> None:
         """One draft step over `rows` (several may be positions of one sequence): each
         sampling row's token appended to its owner's `tokens`, and for a random row the
         distribution it was drawn from to its owner's `probs`."""
-        logits, sampled = self.runner.compute_logits(SchedulerOutput(rows), shared_rows=True)
+        inputs = self._inputs(rows)
+        sampled = inputs.sampled_seq_indices
+        logits = self.runner.compute_logits(inputs, shared_rows=True)
         views = [rows[i] for i in sampled]
         sampler = self.runner.sampler
         sampler.process(logits, views)

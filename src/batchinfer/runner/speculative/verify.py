@@ -35,6 +35,7 @@ from batchinfer.core.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 from batchinfer.runner.sampler import Sampler, check_drawn, filtered_probs
 from batchinfer.runner.structured import StructuredOutputs
 
@@ -58,9 +59,10 @@ class Verifier(Protocol):
 
     sampler: Sampler
     structured_outputs: StructuredOutputs | None
+    block_size: int
+    device: torch.device
 
-    def compute_logits(self, scheduler_output: SchedulerOutput, shared_rows: bool = False
-                       ) -> tuple[torch.Tensor, list[int]]: ...
+    def compute_logits(self, inputs: StepInputs, shared_rows: bool = False) -> torch.Tensor: ...
 
 
 def rows_of(seq: ScheduledSequence, proposed: Sequence[int]) -> list[ScheduledSequence]:
@@ -77,7 +79,7 @@ def rows_of(seq: ScheduledSequence, proposed: Sequence[int]) -> list[ScheduledSe
             sample=True, sampling_params=seq.sampling_params,
             num_prompt_tokens=seq.num_prompt_tokens,
             all_token_ids=history + tokens[1 : j + 1] if history is not None else None,
-            sample_index=seq.sample_index + j,
+            sample_index=seq.sample_index + j, num_dropped_blocks=seq.num_dropped_blocks,
         )
         for j, token in enumerate(tokens)
     ]
@@ -93,11 +95,15 @@ def verify(runner: Verifier, scheduler_output: SchedulerOutput,
     for seq, proposal in zip(sequences, proposals, strict=True):
         first_rows.append(len(rows))
         rows.extend(rows_of(seq, proposal.token_ids) if proposal else [seq])
-    logits, sampled = runner.compute_logits(SchedulerOutput(rows), shared_rows=True)
+    inputs = prepare_inputs(rows, runner.block_size, runner.device)
+    sampled = inputs.sampled_seq_indices
     logits_row = {row: r for r, row in enumerate(sampled)}
     views = [rows[row] for row in sampled]
     structured = runner.structured_outputs
-    mask = structured.fill(views) if structured is not None else None
+    # The grammar masks are filled on another thread while the forward runs.
+    masking = structured.start_fill(views) if structured is not None else None
+    logits = runner.compute_logits(inputs, shared_rows=True)
+    mask = masking.result() if masking is not None else None
     sampler = runner.sampler
     raw_logprobs = sampler.process(logits, views, mask)
     drawn, drawn_list, _ = sampler.pick(logits, views)

@@ -7,7 +7,8 @@ natively by the kernels. Per layer a step is at most three launches:
 - `decode`: the decodes (one query, something cached before it), split-K over their blocks, the
   query heads of a KV head together;
 - `extend`: every other chunk (prefills, later chunks, a one-token prompt), varlen, causal.
-The rules are every backend's (`backends/prefill.py`), so tokens agree with `sdpa`'s.
+The rules are every backend's (`backends/prefill.py`: sliding windows and soft-capping
+included), so tokens agree with `sdpa`'s.
 
 It runs where Triton does: CUDA, or a CPU under `TRITON_INTERPRET=1` (the interpreter, for
 tests: slow, exact).
@@ -107,15 +108,16 @@ class TritonBackend(BackendBase):
         key_cache, value_cache = self.kv_cache[layer_idx]
         scales = self.layer_scales(layer_idx, k, v)
         write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, scales)
-        scale = q.shape[-1] ** -0.5
+        layer = self.layer(layer_idx, q.shape[-1])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = metadata.num_decodes - self._first_decode
         decode_attention(out, q, key_cache, value_cache, metadata.block_ids,
                          metadata.block_starts_tensor, metadata.context_lens_tensor,
-                         self._first_decode, num_decodes, self._num_splits, scale, scales)
+                         self._first_decode, num_decodes, self._num_splits, layer.scale, scales,
+                         layer.window, layer.softcap)
         if self._extend is not None:
             seq_ids, query_starts, num_computed, max_queries = self._extend
             extend_attention(out, q, k, v, key_cache, value_cache, seq_ids, query_starts,
                              num_computed, metadata.block_ids, metadata.block_starts_tensor,
-                             max_queries, scale, scales)
+                             max_queries, layer.scale, scales, layer.window, layer.softcap)
         return out

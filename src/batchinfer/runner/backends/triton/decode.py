@@ -5,7 +5,9 @@ one tile, so each K/V block is read once for all of them; the block table is rea
 kernel; the context's blocks are divided among `num_splits` programs (split-K), whose partial
 softmax states (max, sum, weighted values) a second kernel combines. FP8 caches are read as
 they are stored: `q . (K k_scale)` folds `k_scale` into the softmax scale and `v_scale`
-multiplies the output.
+multiplies the output. A layer's sliding window (`window` > 0) hides the keys before a query's
+last `window` and skips the blocks wholly before it; soft-capping (`softcap` > 0) caps each
+score at `softcap * tanh(score / softcap)` before the softmax.
 """
 
 from __future__ import annotations
@@ -25,15 +27,21 @@ def exact_dots(q: torch.Tensor) -> bool:
 
 
 @triton.jit
-def attend_tile(q, keys, values, visible, sm_scale, running_max, running_sum, acc,
-                EXACT: tl.constexpr):
+def attend_tile(q, keys, values, visible, sm_scale, softcap, running_max, running_sum, acc,
+                EXACT: tl.constexpr, SOFTCAP: tl.constexpr):
     """One tile of keys in the online softmax: the scores of `q` `[M, D]` against `keys`
-    `[N, D]` where `visible` `[M, N]`, folded into the running max, sum and weighted values."""
+    `[N, D]` where `visible` `[M, N]` (soft-capped at `softcap` where `SOFTCAP`), folded into
+    the running max, sum and weighted values. A row with nothing visible yet adds garbage
+    weights of 1 to its sum and values; the first visible score rescales them by
+    `exp(NEG - max) = 0`, and every query sees at least itself."""
     if EXACT:
         scores = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(keys))
-    scores = tl.where(visible, scores * sm_scale, NEG)
+    scores = scores * sm_scale
+    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    scores = tl.where(visible, scores, NEG)
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     alpha = tl.exp(running_max - new_max)
     p = tl.exp(scores - new_max[:, None])
@@ -49,11 +57,11 @@ def attend_tile(q, keys, values, visible, sm_scale, running_max, running_sum, ac
 @triton.jit
 def _decode_split(q_ptr, key_cache_ptr, value_cache_ptr, block_ids_ptr, block_starts_ptr,
                   context_lens_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                  first_seq, q_token_stride, q_head_stride, sm_scale,
+                  first_seq, q_token_stride, q_head_stride, sm_scale, window, softcap,
                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_SIZE_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  EXACT: tl.constexpr):
+                  EXACT: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,6 +72,10 @@ def _decode_split(q_ptr, key_cache_ptr, value_cache_ptr, block_ids_ptr, block_st
     per_split = tl.cdiv(num_blocks, NUM_SPLITS)
     first_block = split * per_split
     last_block = tl.minimum(first_block + per_split, num_blocks)
+    first_key = 0
+    if WINDOWED:  # keys before the window: never visible, their blocks never read
+        first_key = tl.maximum(context_len - window, 0)
+        first_block = tl.maximum(first_block, first_key // BLOCK_SIZE)
 
     heads = tl.arange(0, GROUP_P)
     dims = tl.arange(0, HEAD_DIM_P)
@@ -80,15 +92,15 @@ def _decode_split(q_ptr, key_cache_ptr, value_cache_ptr, block_ids_ptr, block_st
     for b in range(first_block, last_block):
         block = tl.load(block_ids_ptr + block_start + b).to(tl.int64)
         positions = b * BLOCK_SIZE + tokens
-        visible = (tokens < BLOCK_SIZE) & (positions < context_len)
+        visible = (tokens < BLOCK_SIZE) & (positions < context_len) & (positions >= first_key)
         offsets = ((block * BLOCK_SIZE + tokens[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM \
             + dims[None, :]
         kv_mask = visible[:, None] & dim_ok[None, :]
         keys = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
         values = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
         running_max, running_sum, acc = attend_tile(q, keys, values, visible[None, :],
-                                                    sm_scale, running_max, running_sum, acc,
-                                                    EXACT)
+                                                    sm_scale, softcap, running_max,
+                                                    running_sum, acc, EXACT, SOFTCAP)
 
     part = (row * NUM_KV_HEADS * GROUP + q_heads) * NUM_SPLITS + split
     tl.store(part_max_ptr + part, running_max, mask=head_ok)
@@ -130,9 +142,11 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor
                      value_cache: torch.Tensor, block_ids: torch.Tensor,
                      block_starts: torch.Tensor, context_lens: torch.Tensor, first_seq: int,
                      num_seqs: int, num_splits: int, scale: float,
-                     kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                     kv_scales: tuple[float, float] = (1.0, 1.0), window: int | None = None,
+                     softcap: float | None = None) -> None:
     """Attention of sequences `[first_seq, first_seq + num_seqs)` (one query each, at batch
-    row = sequence index) over their cached contexts, written into their rows of `out`.
+    row = sequence index) over their cached contexts (the last `window` keys of each where
+    given; scores soft-capped at `softcap` where given), written into their rows of `out`.
 
     q, out: `[tokens, heads, head_dim]` (head_dim contiguous); caches `[blocks, block_size,
     kv_heads, head_dim]`; `block_ids` every block table concatenated, `block_starts[i]` where
@@ -150,11 +164,11 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     _decode_split[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, block_ids, block_starts, context_lens, part_acc, part_max,
-        part_sum, first_seq, q.stride(0), q.stride(1), scale * kv_scales[0],
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
+        part_sum, first_seq, q.stride(0), q.stride(1), scale * kv_scales[0], window or 0,
+        softcap or 1.0, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
         BLOCK_SIZE_P=max(16, triton.next_power_of_2(block_size)), NUM_SPLITS=num_splits,
-        EXACT=exact_dots(q))
+        EXACT=exact_dots(q), WINDOWED=window is not None, SOFTCAP=softcap is not None)
     _decode_combine[(num_seqs, num_heads)](
         part_acc, part_max, part_sum, out, first_seq, out.stride(0), out.stride(1),
         kv_scales[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
