@@ -14,14 +14,15 @@ chosen by `--seed`) in the chat template, asking about the section's heading X.
 - `one-q4`: one stream, q4 weights (the embedded Q4_1 GGUF as stored): plain against
   `--speculative-method ngram` (auto), on "Quote, word for word, the passage about X"
   (an extraction task: the answer's spans are in the prompt).
-- `burst`: `--burst` requests at once (the first prompts of both tasks, repeated to fill),
-  output tokens per second of the whole burst: q4 + ngram auto and float32 + self-q4 auto,
+- `burst`: each of `--bursts` requests at once (default 4 and 32: the first prompts of both
+  tasks, repeated to fill), output tokens per second of the whole burst: q4 + ngram auto and float32 + self-q4 auto,
   each against plain decoding. The draft model's cache takes half of `--kv-cache-memory` for
   itself, so the speculative engine gets twice that memory: the same KV blocks for the
   model.
 
 Within a part every engine is built first, then rounds run round robin (each engine once per
-round, in turn); greedy outputs are equal across engines (checked), so every engine decodes
+round, in turn; `--warmup` rounds first, not counted, so every counted round finds the prompts
+in the prefix cache); greedy outputs are equal across engines (checked), so every engine decodes
 the same tokens. One stream: decode tokens per second of each request (tokens after the
 first over the time from the first to the last), the median over the prompts; the table
 shows the median of the rounds and each round's value.
@@ -110,7 +111,11 @@ def burst(llm: LLM, batch: list[Chat], params: SamplingParams
 
 def rounds(args: argparse.Namespace, llms: dict[str, LLM], run: Any, batch: list[Chat],
            params: SamplingParams) -> dict[str, list[float]]:
-    """Round robin: every engine once per round; greedy outputs must agree."""
+    """Round robin: every engine once per round, after `--warmup` rounds not counted (the
+    prompts enter the prefix cache and every buffer is touched); greedy outputs must agree."""
+    for _ in range(args.warmup):
+        for llm in llms.values():
+            run(llm, batch, params)
     figures: dict[str, list[float]] = {name: [] for name in llms}
     for r in range(args.repeats):
         reference = None
@@ -125,25 +130,36 @@ def rounds(args: argparse.Namespace, llms: dict[str, LLM], run: Any, batch: list
     return figures
 
 
-def acceptance(llm: LLM) -> str:
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    """(verifications, tokens proposed, tokens accepted) so far; zeros without speculation."""
     spec = llm.engine.core.scheduler.speculation
     if spec is None:
-        return ""
+        return (0, 0, 0)
     s = spec.stats
-    rate = s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
-    per_draft = s.num_draft_tokens / s.num_drafts if s.num_drafts else 0.0
-    return (f"{s.num_draft_tokens} proposed, {rate:.0%} accepted, "
-            f"{per_draft:.1f} per proposal")
+    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+
+
+def acceptance(llm: LLM, since: tuple[int, int, int] = (0, 0, 0)) -> str:
+    """What the engine proposed and accepted since the counts `since`."""
+    if llm.engine.core.scheduler.speculation is None:
+        return ""
+    drafts, proposed, accepted = (now - then for now, then in zip(spec_counts(llm), since,
+                                                                   strict=True))
+    rate = accepted / proposed if proposed else 0.0
+    per_draft = proposed / drafts if drafts else 0.0
+    return f"{proposed} proposed, {rate:.0%} accepted, {per_draft:.1f} per proposal"
 
 
 def table(title: str, figures: dict[str, list[float]], llms: dict[str, LLM],
-          baseline: str, extra: dict[str, str] | None = None) -> None:
+          baseline: str, extra: dict[str, str] | None = None,
+          since: dict[str, tuple[int, int, int]] | None = None) -> None:
     print(f"\n{title}")
     base = statistics.median(figures[baseline])
     for name, values in figures.items():
         median = statistics.median(values)
         rounds_text = " / ".join(f"{v:.1f}" for v in values)
-        note = (extra or {}).get(name, "") or acceptance(llms[name])
+        note = (extra or {}).get(name, "") or acceptance(llms[name],
+                                                          (since or {}).get(name, (0, 0, 0)))
         print(f"  {name:22} {median:7.1f} tok/s  {median / base:5.2f}x  "
               f"(rounds {rounds_text}) {note}")
 
@@ -189,14 +205,16 @@ def part_burst(args: argparse.Namespace) -> None:
     for weights, (plain_knobs, spec_knobs, task) in cases.items():
         if weights not in args.burst_weights.split(","):
             continue
-        print(f"burst of {args.burst}, {weights} weights", flush=True)
         llms = engines(args, {"plain": plain_knobs, "auto": spec_knobs})
         pool = prompts(llms["plain"], task, args.num_prompts, args.seed)
-        batch = [pool[i % len(pool)] for i in range(args.burst)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-        figures = rounds(args, llms, burst, batch, params)
-        table(f"burst of {args.burst} requests, {weights} weights (output tok/s)", figures,
-              llms, "plain")
+        for size in (int(text) for text in args.bursts.split(",")):
+            print(f"burst of {size}, {weights} weights", flush=True)
+            batch = [pool[i % len(pool)] for i in range(size)]
+            since = {name: spec_counts(llm) for name, llm in llms.items()}
+            figures = rounds(args, llms, burst, batch, params)
+            table(f"burst of {size} requests, {weights} weights (output tok/s)", figures,
+                  llms, "plain", since=since)
         del llms
 
 
@@ -207,11 +225,12 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--burst", type=int, default=32)
+    parser.add_argument("--bursts", default="4,32", help="comma-separated burst sizes")
     parser.add_argument("--burst-weights", default="q4,float32",
                         help="the bursts to run: q4 (with ngram), float32 (with self-q4)")
     parser.add_argument("--depth", type=int, default=4, help="the fixed depth compared")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--kv-cache-memory", default=1 << 30,
                         type=lambda text: parse_bytes("--kv-cache-memory", text),
                         help="bytes of KV cache of each plain engine (default 1G)")
