@@ -12,6 +12,13 @@ bounds, retitled every round so that every round compiles its grammars anew). Th
 total output tok/s of the burst (target: mixed >= 0.9x plain) and the TPOT p50 of the requests
 that are unconstrained in both (target: mixed within 10 % of plain), with TTFT p50, and how many
 constrained outputs validate against their schema.
+
+A constrained request ends when its JSON does, usually well before the same request
+unconstrained, so `mixed` decodes fewer tokens than `plain` and its last steps run fewer
+sequences (a smaller batch makes fewer tokens a second on the same step costs). A third burst,
+`matched`, separates that from what the constraint itself costs: `plain`'s requests without
+constraints, each with `max_tokens` set to the length of its output in `mixed` and
+`ignore_eos` (the same tokens decoded, the same batch shape step by step).
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import argparse
 import asyncio
 import copy
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +39,7 @@ import jsonschema
 from batchinfer.bench.client import RequestResult, build_request, send_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pressure import cpu_model  # noqa: E402
 from server_vs_offline import wait_healthy  # noqa: E402
 
 SCHEMAS = json.loads((Path(__file__).resolve().parent / "data" / "json_schemas.json").read_text())
@@ -64,7 +71,10 @@ def _move_bounds(node: object, by: int) -> None:
             _move_bounds(value, by)
 
 
-def bodies(args, round_index: int, constrained: bool) -> list[tuple[bytes, dict | None]]:
+def bodies(args, round_index: int, constrained: bool, lengths: list[int] | None = None
+           ) -> list[tuple[bytes, dict | None]]:
+    """The burst's requests (body, schema if constrained); `lengths`: each request decodes
+    exactly that many tokens, unconstrained (`matched`)."""
     schemas = distinct_schemas(args.num_requests // 2, round_index)
     out = []
     for i in range(args.num_requests):
@@ -72,6 +82,8 @@ def bodies(args, round_index: int, constrained: bool) -> list[tuple[bytes, dict 
         body = {"model": "default", "max_tokens": args.max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": f"{spec['prompt']} Answer in JSON."}]}
+        if lengths is not None:
+            body["max_tokens"], body["ignore_eos"] = lengths[i], True
         schema = spec["schema"] if constrained and i % 2 == 0 else None
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -143,19 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen(command)
     try:
         wait_healthy(url, proc)
-        print(f"cpu: {platform.processor() or platform.machine()}; {args.num_requests} requests, "
+        print(f"CPU: {cpu_model()}; {args.num_requests} requests, "
               f"max_tokens {args.max_tokens}, greedy")
         asyncio.run(burst(url, bodies(args, -1, True)[:8]))  # warm-up
         plain_rows = list(range(1, args.num_requests, 2))  # unconstrained in both bursts
-        rows: dict[str, list[dict]] = {"plain": [], "mixed": []}
+        rows: dict[str, list[dict]] = {"plain": [], "mixed": [], "matched": []}
+        lengths: list[int] | None = None  # each request's output length in `mixed`
         for round_index in range(args.rounds):
-            order = ("plain", "mixed") if round_index % 2 == 0 else ("mixed", "plain")
-            for name in order:
-                wall_s, results = asyncio.run(burst(url, bodies(args, round_index,
-                                                                name == "mixed")))
+            order = ("plain", "mixed", "matched")  # mixed always before the first matched
+            for name in order if round_index % 2 == 0 else order[::-1]:
+                requests = bodies(args, round_index, name == "mixed",
+                                  lengths if name == "matched" else None)
+                wall_s, results = asyncio.run(burst(url, requests))
+                if name == "mixed":
+                    lengths = [r.num_output_tokens for r in results]
                 row = summarize(name, wall_s, results, plain_rows)
                 rows[name].append(row)
-                print(f"round {round_index} {name:5s}: {row['tok_s']:7.1f} out tok/s "
+                print(f"round {round_index} {name:7s}: {row['tok_s']:7.1f} out tok/s "
                       f"({row['out_tokens']} tokens), unconstrained TPOT p50 "
                       f"{row['tpot_p50_ms']:.1f} ms, TTFT p50 {row['ttft_p50_s']:.2f} s")
         med = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
@@ -163,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"medians: plain {med['plain']['tok_s']:.1f} tok/s, mixed "
               f"{med['mixed']['tok_s']:.1f} tok/s: {med['mixed']['tok_s'] / med['plain']['tok_s']:.3f}x "
               "(target >= 0.9x)")
+        print(f"same lengths unconstrained (matched) {med['matched']['tok_s']:.1f} tok/s: mixed "
+              f"{med['mixed']['tok_s'] / med['matched']['tok_s']:.3f}x of it")
         print(f"unconstrained TPOT p50: plain {med['plain']['tpot_p50_ms']:.1f} ms, mixed "
               f"{med['mixed']['tpot_p50_ms']:.1f} ms: "
               f"{med['mixed']['tpot_p50_ms'] / med['plain']['tpot_p50_ms'] - 1:+.1%} "
