@@ -122,7 +122,11 @@ def _assert_every_check_ran(stdout: str, act8: bool) -> None:
     assert {"gelu n=13", "gelu n=16421", "silu_mul inter=67"} <= passed
 
 
-@pytest.mark.parametrize("target", ARM_TARGETS)
+# The ARMv8.0 build (no dot products) runs in `make test-slow`; the default suite runs the
+# ARMv8.2 one, whose 16-bit paths are the same code.
+@pytest.mark.parametrize("target", [
+    pytest.param(target, marks=pytest.mark.slow) if target == "armv8.0" else target
+    for target in ARM_TARGETS])
 def test_neon_kernels_match_the_portable_ones_under_qemu(target, tmp_path):
     """Every check of the comparison program passes for the neon build against the portable
     one, and it ran the checks it lists (the linears at every kind and shape, the widening of
@@ -142,6 +146,7 @@ def test_neon_kernels_match_the_portable_ones_under_qemu(target, tmp_path):
     _assert_every_check_ran(result.stdout, act8="dotprod" in target)
 
 
+@pytest.mark.slow
 def test_the_comparison_catches_a_wrong_kernel(tmp_path):
     """The comparison can fail: a neon build whose q4 products take the wrong input pair for
     the high nibbles is caught."""

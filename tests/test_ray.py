@@ -335,6 +335,7 @@ def comparable(path: Path) -> list[tuple]:
     return out
 
 
+@pytest.mark.slow
 def test_run_batch_ray_writes_what_run_batch_writes(cluster: dict[str, str], model: Path,
                                                     tmp_path: Path) -> None:
     source = lines_file(tmp_path / "in.jsonl", 30)
