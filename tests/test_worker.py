@@ -4,9 +4,12 @@ step must be valid for the model whatever the knobs)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from batchinfer import native
 from batchinfer.core.config import EngineConfig
-from batchinfer.runner.worker import Worker, dummy_step, model_max_len
+from batchinfer.models import hardware
+from batchinfer.runner.worker import Worker, _resolve_dtype, dummy_step, model_max_len
 from tests.tiny_models import make_tiny_llama
 
 
@@ -41,3 +44,25 @@ def test_dummy_step_runs_within_the_model(worker: Worker, num_tokens: int, max_n
     assert len(output.sampled_token_ids) == len(sequences)
     assert all(t is not None for t in output.sampled_token_ids)
     assert output.logprobs is not None and all(len(lp.top) == 20 for lp in output.logprobs)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native kernels cannot be built here")
+def test_auto_dtype_is_float32_where_quantized_weights_run_natively(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On a CPU with fast bfloat16, `dtype auto` is bfloat16 for float weights but float32 for
+    quantized ones (their native kernels take float32 activations): a quantization asked
+    for, or `auto` on a checkpoint stored quantized (the embedded Q4_1 GGUF)."""
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    folder = str(make_tiny_llama(tmp_path))
+    cpu = torch.device("cpu")
+
+    def dtype(**knobs: object) -> torch.dtype:
+        return _resolve_dtype(EngineConfig(**knobs), cpu)
+
+    assert dtype(model=folder) == torch.bfloat16  # float weights, auto: kept float
+    assert dtype(model=folder, quantization="none") == torch.bfloat16
+    for form in ("q4", "q8", "int8"):
+        assert dtype(model=folder, quantization=form) == torch.float32
+    assert dtype(model="default") == torch.float32  # stored as Q4_1: kept q4
+    assert dtype(model="default", quantization="none") == torch.bfloat16
+    assert dtype(model="default", dtype="bfloat16") == torch.bfloat16  # asked for

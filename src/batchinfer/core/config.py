@@ -79,7 +79,8 @@ class EngineConfig:
         "load this .gguf file from the hub repo (or the local folder) --model names; only "
         "that file is fetched"))
     dtype: str = field(default="auto", metadata=_help(
-        "weights and activations: auto (bf16 where fast, else fp32), float32, bfloat16, float16"))
+        "weights and activations: auto (bf16 where fast, else fp32; fp32 on a CPU whose "
+        "quantized weights run on the native kernels), float32, bfloat16, float16"))
     device: str = field(default="auto", metadata=_help("auto (cuda if present), cpu or cuda"))
     max_model_len: int | None = field(default=None, metadata=_help(
         "longest prompt + output in tokens; default: the model's, capped by the KV cache"))

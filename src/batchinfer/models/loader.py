@@ -24,7 +24,7 @@ from batchinfer.models.files import read_json
 from batchinfer.models.gguf import FLOAT_WEIGHTS, WeightFormat, convert_gguf, weight_format
 from batchinfer.models.hub import resolve_source
 from batchinfer.models.llama import LlamaForCausalLM
-from batchinfer.models.registry import SourceKind
+from batchinfer.models.registry import ModelSource, SourceKind
 from batchinfer.models.spec import ModelSpec
 
 
@@ -59,12 +59,7 @@ def load_model(
     converted into `cache_dir` (default `default_cache_dir()`); later loads reuse that folder.
     Weights are cast to `dtype` and placed on `device`.
     """
-    source = resolve_source(model, revision, gguf_file)
-    folder = source.path
-    stored = FLOAT_WEIGHTS
-    if source.kind is SourceKind.GGUF:
-        folder = convert_gguf(source.path, cache_dir or default_cache_dir())
-        stored = weight_format(source.path, folder)
+    source, folder, stored = _checkpoint(model, revision, gguf_file, cache_dir)
     config = read_json(folder / "config.json")
     spec = ModelSpec.from_hf_config(config, source=os.fspath(folder / "config.json"))
     net = load_weights(folder, spec, dtype, torch.device(device))
@@ -72,6 +67,23 @@ def load_model(
     generation_config = read_json(folder / "generation_config.json", required=False)
     eos_token_ids = _eos_token_ids(config, generation_config, tokenizer)
     return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, source.name, stored)
+
+
+def stored_weights(model: str, cache_dir: Path | None = None, *, revision: str | None = None,
+                   gguf_file: str | None = None) -> WeightFormat:
+    """How `model` (as `load_model` takes it) stores its decoder layers' matrices, without
+    loading it (a GGUF is converted, once, as `load_model` would)."""
+    return _checkpoint(model, revision, gguf_file, cache_dir)[2]
+
+
+def _checkpoint(model: str, revision: str | None, gguf_file: str | None,
+                cache_dir: Path | None) -> tuple[ModelSource, Path, WeightFormat]:
+    """The source, the Hugging Face folder to load (a GGUF's conversion) and the stored form."""
+    source = resolve_source(model, revision, gguf_file)
+    if source.kind is not SourceKind.GGUF:
+        return source, source.path, FLOAT_WEIGHTS
+    folder = convert_gguf(source.path, cache_dir or default_cache_dir())
+    return source, folder, weight_format(source.path, folder)
 
 
 def load_weights(

@@ -37,7 +37,7 @@ from batchinfer.models.linear_kernels import (
     choose_weight_form,
     set_int8_inputs,
 )
-from batchinfer.models.loader import LoadedModel, load_model
+from batchinfer.models.loader import LoadedModel, load_model, stored_weights
 from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.kv_cache import bytes_per_block, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
@@ -50,6 +50,27 @@ from batchinfer.runner.structured import StructuredOutputs
 from batchinfer.runner.timing import timed_runs
 
 logger = logging.getLogger(__name__)
+
+
+def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """`dtype`, with `auto` resolved (`resolve_dtype`), but float32 on a CPU with fast
+    bfloat16 where the weights are quantized (a `quantization` form, or `auto` on a checkpoint
+    stored quantized) and the native kernels are built: their products and native decode steps
+    take float32 activations, and bfloat16 ones would leave the steps to the torch model
+    (docs/architecture.md, "Weight form chosen by measurement")."""
+    dtype = resolve_dtype(config.dtype, device)
+    if (config.dtype != "auto" or device.type != "cpu" or dtype == torch.float32
+            or native.library() is None or config.quantization == "none"):
+        return dtype
+    form = config.quantization
+    if form == "auto":
+        form = stored_weights(config.model, revision=config.revision,
+                              gguf_file=config.gguf_file).form
+        if form == "none":
+            return dtype
+    logger.info("dtype auto -> float32, not bfloat16: %s weights run on the native CPU "
+                "kernels, which take float32 activations", form)
+    return torch.float32
 
 
 def _resolve_quantization(config: EngineConfig, loaded: LoadedModel, device: torch.device,
@@ -104,7 +125,7 @@ class Worker:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        dtype = _resolve_dtype(config, device)
         loaded = load_model(config.model, dtype, device, revision=config.revision,
                             gguf_file=config.gguf_file)
         quantization = _resolve_quantization(config, loaded, device, dtype)
