@@ -25,6 +25,7 @@ from batchinfer.models import ModelSpec, load_model
 from batchinfer.models import gguf as gguf_module
 from batchinfer.models.registry import default_gguf_path
 from batchinfer.models.rope import rope_tables
+from tests.fresh_cache import fresh_cache
 from tests.tiny_models import CHAT_TEMPLATE, EOS_TOKEN_ID, dense_attention, make_tiny_gguf
 
 
@@ -112,7 +113,7 @@ def test_tiny_qwen3_gguf_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """A Qwen3 GGUF (arch `qwen3`: Q/K rows as they are, the per-head `attn_q_norm` /
     `attn_k_norm`) converts back to the HF folder's weights (ffn_down: its Q8_0 rounding) and
     generates Hugging Face's greedy tokens on the converted folder."""
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     gguf_path, hf_folder = make_tiny_gguf(tmp_path, arch="qwen3", head_dim=32)
     loaded = load_model(str(gguf_path), torch.float32, "cpu")
     assert loaded.spec.architecture == "Qwen3ForCausalLM" and loaded.spec.head_dim == 32
@@ -353,7 +354,7 @@ def test_family_gguf_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """A GGUF written as llama.cpp writes each family (its arch name, tensor names and keys;
     Gemma's norms plus one, a MoE's stacked experts) converts back to the HF folder's weights
     (the Q8_0 ones: their rounding) and config, and generates transformers' greedy tokens."""
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     family, overrides = FAMILY_GGUFS[case]
     gguf_path, hf_folder = make_tiny_gguf(tmp_path, arch=family, **overrides)
     loaded = load_model(str(gguf_path), torch.float32, "cpu")

@@ -27,6 +27,7 @@ from batchinfer.models.linear_kernels import (
     quantize_q4,
 )
 from batchinfer.native.linear import NativeLinear, quantize_q8
+from tests.fresh_cache import fresh_cache
 from tests.test_engine import hf_greedy, random_prompts
 from tests.tiny_models import make_tiny_llama
 
@@ -180,7 +181,7 @@ def test_kernels_that_cannot_run_here_are_never_candidates(monkeypatch):
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_greedy_tokens_are_hugging_faces_with_every_float_kernel(tmp_path, tied,
                                                                         monkeypatch):
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     model_dir = make_tiny_llama(tmp_path, tie_word_embeddings=tied)
     runs = {}
     for kernels in ("auto", "dense", "packed"):
@@ -223,7 +224,7 @@ def test_quantized_weights_give_the_tokens_of_the_dequantized_model(tmp_path, mo
     copy of the model whose layers' weights were rounded the same way. The LM head is on
     Q8_0's grid in both (as the embedded GGUF's is), so its 8-bit form holds it exactly
     whichever form is chosen. `auto` runs."""
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     model_dir = make_tiny_llama(tmp_path / "model")
     from safetensors.torch import load_file, save_file
 

@@ -20,6 +20,7 @@ from batchinfer import LLM, SamplingParams
 from batchinfer.models import ModelSpec, load_model
 from batchinfer.models.linear_kernels import KernelLinear
 from batchinfer.runner.native_decode import NativeDecoder
+from tests.fresh_cache import fresh_cache
 from tests.tiny_models import dense_attention, make_tiny_llama, round_weights_like
 
 
@@ -181,7 +182,7 @@ def test_quantized_weights_give_the_tokens_of_the_rounded_model(
     """`quantization q8 | q4` with the native kernels: tokens and logprobs of a copy of the
     model whose projections were rounded the same way (the kernels round activations to 16
     bits per group of 32: logprobs agree to that rounding)."""
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     for case in QUANTIZED_CASES:
         folder = make_case(tmp_path / case, case, tie_word_embeddings=False)
         rounded = tmp_path / case / "rounded"
@@ -203,7 +204,7 @@ def test_quantized_weights_give_the_tokens_of_the_rounded_model(
 ])
 def test_native_decode_steps_refuse_layers_they_do_not_compute(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, why: str) -> None:
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     llm = LLM(str(make_case(tmp_path, case)), dtype="float32", kv_cache_memory=16 << 20,
               quantization="q4", linear_kernels="q4_native", native_decode=True)
     worker = llm.engine.worker

@@ -33,6 +33,7 @@ from batchinfer.native.linear import NativeLinear, dequantize_q8, pack_q8, quant
 from batchinfer.runner.input_batch import prepare_inputs
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
+from tests.fresh_cache import fresh_cache
 from tests.test_native_levels import has_act8
 from tests.tiny_models import make_tiny_llama
 
@@ -523,7 +524,7 @@ def test_the_native_or_torch_choice_is_measured_once_then_cached(lib, tmp_path):
 def test_the_engine_decodes_the_same_tokens_natively(lib, tmp_path, monkeypatch):
     """`native_decode` on and off: the same greedy tokens (the native steps taken: the
     choice measured a tiny model's one-sequence step faster natively)."""
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     folder = make_tiny_llama(tmp_path)
     prompts = [[5 + i, 17, 33 + i, 8] * (i + 1) for i in range(4)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -544,7 +545,7 @@ def test_8_bit_prefill_inputs_reach_the_layers_but_not_the_head(lib, tmp_path, m
     """`prefill_activations int8`: every decoder layer's native kernel takes 8-bit inputs, the
     LM head's 8-bit form does not; a long prompt (its prefill a product of many rows) still
     decodes; an unknown value is refused, naming the knob."""
-    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    fresh_cache(monkeypatch, tmp_path)
     folder = make_tiny_llama(tmp_path)
     llm = LLM(str(folder), dtype="float32", kv_cache_memory=16 << 20, quantization="q4",
               linear_kernels="q4_native", prefill_activations="int8")
