@@ -9,6 +9,7 @@ import torch
 from batchinfer import native
 from batchinfer.core.config import EngineConfig
 from batchinfer.models import hardware
+from batchinfer.models.loader import locate_checkpoint
 from batchinfer.runner.worker import Worker, _resolve_dtype, dummy_step, model_max_len
 from tests.tiny_models import make_tiny_llama
 
@@ -57,7 +58,8 @@ def test_auto_dtype_is_float32_where_quantized_weights_run_natively(
     cpu = torch.device("cpu")
 
     def dtype(**knobs: object) -> torch.dtype:
-        return _resolve_dtype(EngineConfig(**knobs), cpu)
+        config = EngineConfig(**knobs)
+        return _resolve_dtype(config, cpu, locate_checkpoint(config.model).stored)
 
     assert dtype(model=folder) == torch.bfloat16  # float weights, auto: kept float
     assert dtype(model=folder, quantization="none") == torch.bfloat16

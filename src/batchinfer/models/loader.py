@@ -24,7 +24,7 @@ from batchinfer.models.files import read_json
 from batchinfer.models.gguf import FLOAT_WEIGHTS, WeightFormat, convert_gguf, weight_format
 from batchinfer.models.hub import resolve_source
 from batchinfer.models.llama import LlamaForCausalLM
-from batchinfer.models.registry import ModelSource, SourceKind
+from batchinfer.models.registry import SourceKind
 from batchinfer.models.spec import ModelSpec
 
 
@@ -43,6 +43,30 @@ class LoadedModel:
     stored: WeightFormat = FLOAT_WEIGHTS
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Where a model's weights are, before loading: the Hugging Face folder to load (a GGUF's
+    conversion), the name to show, and how its decoder layers' matrices are stored."""
+
+    folder: Path
+    name: str
+    stored: WeightFormat
+
+
+def locate_checkpoint(model: str, cache_dir: Path | None = None, *,
+                      revision: str | None = None, gguf_file: str | None = None) -> Checkpoint:
+    """`"default"`, a Hugging Face folder, a `.gguf` file or a hub id (`org/name`, at
+    `revision`; `gguf_file`: one `.gguf` in the repo) made ready to load; `ValueError` on bad
+    input. A hub id is fetched into the Hugging Face cache first (`models.hub`). A GGUF is
+    converted into `cache_dir` (default `default_cache_dir()`) once; later calls reuse that
+    folder."""
+    source = resolve_source(model, revision, gguf_file)
+    if source.kind is not SourceKind.GGUF:
+        return Checkpoint(source.path, source.name, FLOAT_WEIGHTS)
+    folder = convert_gguf(source.path, cache_dir or default_cache_dir())
+    return Checkpoint(folder, source.name, weight_format(source.path, folder))
+
+
 def load_model(
     model: str,
     dtype: torch.dtype,
@@ -52,38 +76,24 @@ def load_model(
     revision: str | None = None,
     gguf_file: str | None = None,
 ) -> LoadedModel:
-    """Load `"default"`, a Hugging Face folder, a `.gguf` file or a hub id (`org/name`, at
-    `revision`; `gguf_file`: one `.gguf` in the repo); `ValueError` on bad input.
+    """Load `model` (as `locate_checkpoint` takes it): weights cast to `dtype` and placed on
+    `device`."""
+    return load_checkpoint(locate_checkpoint(model, cache_dir, revision=revision,
+                                             gguf_file=gguf_file), dtype, device)
 
-    A hub id is fetched into the Hugging Face cache first (`models.hub`). A GGUF is first
-    converted into `cache_dir` (default `default_cache_dir()`); later loads reuse that folder.
-    Weights are cast to `dtype` and placed on `device`.
-    """
-    source, folder, stored = _checkpoint(model, revision, gguf_file, cache_dir)
+
+def load_checkpoint(checkpoint: Checkpoint, dtype: torch.dtype,
+                    device: torch.device | str) -> LoadedModel:
+    """Load a located checkpoint: weights cast to `dtype` and placed on `device`."""
+    folder = checkpoint.folder
     config = read_json(folder / "config.json")
     spec = ModelSpec.from_hf_config(config, source=os.fspath(folder / "config.json"))
     net = load_weights(folder, spec, dtype, torch.device(device))
     tokenizer = load_tokenizer(folder)
     generation_config = read_json(folder / "generation_config.json", required=False)
     eos_token_ids = _eos_token_ids(config, generation_config, tokenizer)
-    return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, source.name, stored)
-
-
-def stored_weights(model: str, cache_dir: Path | None = None, *, revision: str | None = None,
-                   gguf_file: str | None = None) -> WeightFormat:
-    """How `model` (as `load_model` takes it) stores its decoder layers' matrices, without
-    loading it (a GGUF is converted, once, as `load_model` would)."""
-    return _checkpoint(model, revision, gguf_file, cache_dir)[2]
-
-
-def _checkpoint(model: str, revision: str | None, gguf_file: str | None,
-                cache_dir: Path | None) -> tuple[ModelSource, Path, WeightFormat]:
-    """The source, the Hugging Face folder to load (a GGUF's conversion) and the stored form."""
-    source = resolve_source(model, revision, gguf_file)
-    if source.kind is not SourceKind.GGUF:
-        return source, source.path, FLOAT_WEIGHTS
-    folder = convert_gguf(source.path, cache_dir or default_cache_dir())
-    return source, folder, weight_format(source.path, folder)
+    return LoadedModel(net, spec, tokenizer, eos_token_ids, folder, checkpoint.name,
+                       checkpoint.stored)
 
 
 def load_weights(

@@ -30,6 +30,7 @@ from batchinfer.core.preemption import PreemptionCosts
 from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.core.scheduling.spec_depth import StepCosts
 from batchinfer.core.scheduling.window import KVWindow
+from batchinfer.models.gguf import WeightFormat
 from batchinfer.models.hardware import resolve_device, resolve_dtype
 from batchinfer.models.linear_kernels import (
     KERNELS_BY_QUANTIZATION,
@@ -37,7 +38,7 @@ from batchinfer.models.linear_kernels import (
     choose_weight_form,
     set_int8_inputs,
 )
-from batchinfer.models.loader import LoadedModel, load_model, stored_weights
+from batchinfer.models.loader import LoadedModel, load_checkpoint, locate_checkpoint
 from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.kv_cache import bytes_per_block, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
@@ -52,22 +53,18 @@ from batchinfer.runner.timing import timed_runs
 logger = logging.getLogger(__name__)
 
 
-def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+def _resolve_dtype(config: EngineConfig, device: torch.device, stored: WeightFormat
+                   ) -> torch.dtype:
     """`dtype`, with `auto` resolved (`resolve_dtype`), but float32 on a CPU with fast
     bfloat16 where the weights are quantized (a `quantization` form, or `auto` on a checkpoint
-    stored quantized) and the native kernels are built: their products and native decode steps
-    take float32 activations, and bfloat16 ones would leave the steps to the torch model
+    `stored` quantized) and the native kernels are built: their products and native decode
+    steps take float32 activations, and bfloat16 ones would leave the steps to the torch model
     (docs/architecture.md, "Weight form chosen by measurement")."""
     dtype = resolve_dtype(config.dtype, device)
+    form = stored.form if config.quantization == "auto" else config.quantization
     if (config.dtype != "auto" or device.type != "cpu" or dtype == torch.float32
-            or native.library() is None or config.quantization == "none"):
+            or form == "none" or native.library() is None):
         return dtype
-    form = config.quantization
-    if form == "auto":
-        form = stored_weights(config.model, revision=config.revision,
-                              gguf_file=config.gguf_file).form
-        if form == "none":
-            return dtype
     logger.info("dtype auto -> float32, not bfloat16: %s weights run on the native CPU "
                 "kernels, which take float32 activations", form)
     return torch.float32
@@ -125,9 +122,10 @@ class Worker:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
-        dtype = _resolve_dtype(config, device)
-        loaded = load_model(config.model, dtype, device, revision=config.revision,
-                            gguf_file=config.gguf_file)
+        checkpoint = locate_checkpoint(config.model, revision=config.revision,
+                                       gguf_file=config.gguf_file)
+        dtype = _resolve_dtype(config, device, checkpoint.stored)
+        loaded = load_checkpoint(checkpoint, dtype, device)
         quantization = _resolve_quantization(config, loaded, device, dtype)
         kernels = loaded.model.choose_linear_kernels(
             quantization, config.linear_kernels, device, dtype, default_cache_dir(),

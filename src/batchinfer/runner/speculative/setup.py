@@ -13,7 +13,7 @@ from batchinfer.core.config import SELF_Q4, EngineConfig
 from batchinfer.core.paths import default_cache_dir
 from batchinfer.core.scheduling.spec_depth import StepCosts
 from batchinfer.models.linear_kernels import KernelPlan
-from batchinfer.models.loader import LoadedModel, load_model
+from batchinfer.models.loader import Checkpoint, LoadedModel, load_checkpoint, load_model
 from batchinfer.models.spec import ModelSpec
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.speculative import SpeculativeSteps
@@ -39,8 +39,8 @@ def load_draft(config: EngineConfig, target: LoadedModel, quantization: str,
             raise ValueError("speculative_model self-q4: the served weights are q4 already, so "
                              "the draft would be the model itself; serve float weights "
                              "(--quantization none) or use speculative_method ngram")
-        draft = load_model(config.model, dtype, device, revision=config.revision,
-                           gguf_file=config.gguf_file)
+        draft = load_checkpoint(Checkpoint(target.path, target.name, target.stored), dtype,
+                                device)  # the folder the target was loaded from
         form = "q4"
     else:
         assert name is not None  # EngineConfig: speculative_method draft names a model
