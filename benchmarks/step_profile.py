@@ -50,6 +50,7 @@ from batchinfer import SamplingParams
 from batchinfer.engine.llm_engine import LLMEngine
 from batchinfer.engine.outputs import RequestOutputKind
 from batchinfer.models.linear_kernels import KernelLinear
+from batchinfer.native.memory import huge_page_buffer, huge_pages_supported
 from batchinfer.runner.backends import gather, paged_rows
 from batchinfer.runner.backends.sdpa import SdpaBackend
 from batchinfer.runner.native_decode import NativeDecoder
@@ -225,9 +226,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def stream_seconds(num_bytes: int) -> float:
-    """Time to read `num_bytes` once from memory (a float32 sum over a buffer that size, the
-    fastest of 5 passes): a decode step's floor, whatever form the weights take."""
-    buffer = torch.ones(max(1, num_bytes // 4))
+    """Time to read `num_bytes` once from memory (a float32 sum over a buffer that size in huge
+    pages where the platform has them, as the weights are: the fastest of 5 passes): a decode
+    step's floor, whatever form the weights take."""
+    count = max(1, num_bytes // 4)
+    if huge_pages_supported():
+        buffer = huge_page_buffer(count * 4).view(torch.float32).fill_(1.0)
+    else:
+        buffer = torch.ones(count)
     times = []
     for _ in range(5):
         start = time.perf_counter()

@@ -68,8 +68,11 @@ from batchinfer.models.registry import default_gguf_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantization import speed  # noqa: E402
+from step_profile import stream_seconds, weight_bytes  # noqa: E402
 
 LLAMA_TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
+# The one-sequence table's row for float32 weights' memory floor (see one_sequence).
+FLOOR = "float32 memory floor"
 # OpenVINO GenAI's venv: torch is pinned through a constraints file, since optimum-intel would
 # otherwise pull the newest (multi-GB, CUDA) torch; the rest is pinned so a rerun measures the
 # same releases.
@@ -207,7 +210,9 @@ def one_sequence(args: argparse.Namespace, bin_dir: Path, gguf: Path, weights: l
     """llama-bench and ours, round robin for `--repeats` rounds (a load that comes and goes
     falls on both); medians. Ours: time to the first token of a 512-token prompt (pp512),
     decode of 128 tokens after a 1-token prompt (tg128) and after the 512-token one
-    (tg128@d512)."""
+    (tg128@d512). With float32 weights (`none`), each round also times streaming their bytes
+    once (`step_profile.stream_seconds`): float32 decode's memory floor, as tokens per
+    second."""
     llms = {form: LLM("default", dtype="float32", num_threads=args.threads, **engine_form(form),
                       enable_prefix_caching=False, kv_cache_memory="512M") for form in weights}
     rounds: dict[str, dict[str, list[float]]] = {}
@@ -220,6 +225,11 @@ def one_sequence(args: argparse.Namespace, bin_dir: Path, gguf: Path, weights: l
             for key, value in (("pp512", 512 / ttft_s), ("tg128", shallow),
                                ("tg128@d512", deep)):
                 rounds.setdefault(f"batchinfer {form}", {}).setdefault(key, []).append(value)
+            if form == "none":
+                floor_tok_s = 1 / stream_seconds(weight_bytes(llm.engine.worker.loaded.model))
+                for key in ("tg128", "tg128@d512"):
+                    rounds.setdefault(FLOOR, {}).setdefault(key, []).append(floor_tok_s)
+                rounds[FLOOR].setdefault("pp512", []).append(float("nan"))
         print(f"round: { {name: {k: v[-1] for k, v in r.items()} for name, r in rounds.items()} }",
               flush=True)
     return {name: {key: statistics.median(values) for key, values in figures.items()}
@@ -293,6 +303,11 @@ def llama_half(args: argparse.Namespace, weights: list[str], result_dir: Path) -
         print(f"{name:24}" + "".join(
             f"{figures[key]:{width}.1f}{figures[key] / base[key]:6.2f}x"
             for key, width in (("pp512", 12), ("tg128", 13), ("tg128@d512", 12))))
+    if FLOOR in one:
+        floor, float32 = one[FLOOR], one["batchinfer none"]
+        print(f"float32 decode against its memory floor: tg128 {float32['tg128']:.1f} / "
+              f"{floor['tg128']:.1f} tok/s = {float32['tg128'] / floor['tg128']:.2f}x "
+              f"(medians of each round's figures)")
     print(f"\n{'serving (' + served + ')':24}{'concurrency':>12}{'llama.cpp tok/s':>17}"
           f"{'batchinfer tok/s':>18}{'ratio':>8}{'TTFT p99 (s) l / b':>22}")
     for concurrency, ours in serving["batchinfer"].items():

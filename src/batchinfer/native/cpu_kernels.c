@@ -131,12 +131,41 @@ static void linear_tiles(const bi_linear *l, int first, int last, const bi_input
         }
 }
 
-/* This thread's share of a linear, inside a parallel region (no barrier). */
+/* Bytes of weights (with their scales and offsets) one tile of `l` holds. */
+static int64_t tile_bytes(const bi_linear *l) {
+    const int64_t k = l->k;
+    switch (l->kind) {
+    case BI_F32: return TILE_F32 * k * (int64_t)sizeof(float);
+    case BI_Q4: return TILE_Q * (k / 2 + 2 * (k / GROUP) * (int64_t)sizeof(float));
+    default: return TILE_Q * (k + (k / GROUP) * (int64_t)sizeof(float));
+    }
+}
+
+/* Tiles claimed at a time: about 64 KiB of weights, a stretch the prefetcher follows. */
+#define CLAIM_BYTES 65536
+
+/* This thread's work of a linear, inside a parallel region (no barrier). Each thread owns a
+ * contiguous range of the tiles and claims chunks of it front to back, then claims chunks of
+ * the others' ranges once its own is done, so that a thread the memory serves more slowly
+ * does not hold the others at the next barrier (with a static split, one-sequence decode
+ * steps spent a sizeable share waiting there). `next[nt]`: zeroed claim counters, one per
+ * range, for this linear alone. */
 static void linear_share(const bi_linear *l, const bi_input *in, int rows, float *y,
-                         int64_t ldy, int accumulate) {
+                         int64_t ldy, int accumulate, int32_t *next) {
     const int tiles = l->n / tile_of(l), nt = omp_get_num_threads(), id = omp_get_thread_num();
-    const int first = (int)((int64_t)tiles * id / nt), last = (int)((int64_t)tiles * (id + 1) / nt);
-    linear_tiles(l, first, last, in, rows, y, ldy, accumulate);
+    int chunk = (int)(CLAIM_BYTES / tile_bytes(l));
+    chunk = chunk < 1 ? 1 : chunk;
+    for (int o = 0; o < nt; o++) {
+        const int range = (id + o) % nt;
+        const int first = (int)((int64_t)tiles * range / nt);
+        const int last = (int)((int64_t)tiles * (range + 1) / nt);
+        for (;;) {
+            const int t = first + chunk * __atomic_fetch_add(next + range, 1, __ATOMIC_RELAXED);
+            if (t >= last) break;
+            linear_tiles(l, t, t + chunk < last ? t + chunk : last, in, rows, y, ldy,
+                         accumulate);
+        }
+    }
 }
 
 /* Bytes of input scratch a linear with `k` inputs needs for `rows` rows. */
@@ -183,8 +212,10 @@ static int linear_forward(const bi_linear *l, int rows, const float *x, float *y
         }
     } else {
         prepare_rows(l, &in, rows);
+        int32_t next[threads];
+        memset(next, 0, sizeof(next));
 #pragma omp parallel num_threads(threads)
-        linear_share(l, &in, rows, y, l->n, accumulate);
+        linear_share(l, &in, rows, y, l->n, accumulate, next);
     }
     free(scratch);
     return 0;
@@ -643,11 +674,18 @@ typedef struct {
     float *x, *qkv, *att, *gu, *parts;
     void *att_in;   /* the o projection's prepared input (filled slice by slice) */
     int32_t *done;  /* [layers][rows][kv]: parts of each attention finished */
+    int32_t *claims;  /* [layers * 4 + 1][threads]: each linear's claim counters */
     float *private_base;
     int64_t private_floats, total;
 } bi_scratch;
 
 static int64_t floats_for(int64_t bytes) { return (bytes + 63) / 64 * 16; }
+
+/* Claim counters of a decode step's linears (`linear_share`): four a layer and the LM head's,
+ * one per thread each. */
+static int64_t claim_counters(const bi_model *m, int threads) {
+    return ((int64_t)m->num_layers * 4 + 1) * threads;
+}
 
 static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float *work) {
     const int64_t h = m->hidden, d = m->head_dim, kv = m->num_kv_heads;
@@ -661,6 +699,7 @@ static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float
     const int64_t gu = TAKE(rows * 2 * (int64_t)m->intermediate);
     const int64_t pa = TAKE(rows * kv * parts * per_kv * (d + 2));
     const int64_t done = TAKE((int64_t)m->num_layers * rows * kv);
+    const int64_t claims = TAKE(claim_counters(m, threads));
 #undef TAKE
     /* per thread: normalized input, silu(gate) * up, a linear's prepared input, scores,
      * rotated queries, a widened block of keys and values */
@@ -670,6 +709,7 @@ static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float
     if (work) {
         s.x = work + x; s.qkv = work + q; s.att = work + a; s.att_in = work + att_in;
         s.gu = work + gu; s.parts = work + pa; s.done = (int32_t *)(work + done);
+        s.claims = (int32_t *)(work + claims);
         s.private_base = work + at;
     }
     return s;
@@ -739,6 +779,7 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
     for (int r = 0; r < rows; r++)
         memcpy(x + r * hidden, m->embed + tokens[r] * (int64_t)hidden, sizeof(float) * hidden);
     memset(s.done, 0, sizeof(int32_t) * (size_t)m->num_layers * rows * kv);
+    memset(s.claims, 0, sizeof(int32_t) * (size_t)claim_counters(m, threads));
 
 #pragma omp parallel num_threads(threads)
     {
@@ -758,7 +799,8 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
             if (eight_bit(m, &L->o, rows)) att_in.q8 = (int8_t *)att_in.q;
             bi_input in = norm_rows(m, x, L->input_norm, rows, &L->qkv, h, in_scratch,
                                     eight_bit(m, &L->qkv, rows));
-            linear_share(&L->qkv, &in, rows, qkv, qkv_n, 0);
+            int32_t *claims = s.claims + (int64_t)li * 4 * threads;
+            linear_share(&L->qkv, &in, rows, qkv, qkv_n, 0, claims);
 #pragma omp barrier
             if (m->kv_first) {  /* a row may read the slots of rows before it */
 #pragma omp for schedule(static)
@@ -816,11 +858,12 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                                         att_in.sum + (int64_t)r * (att_n / GROUP) + at / GROUP);
                 }
             }
-            linear_share(&L->o, &att_in, rows, x, hidden, 1);  /* x += o(att) */
+            /* x += o(att) */
+            linear_share(&L->o, &att_in, rows, x, hidden, 1, claims + threads);
 #pragma omp barrier
             in = norm_rows(m, x, L->post_norm, rows, &L->gate_up, h, in_scratch,
                            eight_bit(m, &L->gate_up, rows));
-            linear_share(&L->gate_up, &in, rows, gu, 2 * inter, 0);
+            linear_share(&L->gate_up, &in, rows, gu, 2 * inter, 0, claims + 2 * threads);
 #pragma omp barrier
             for (int r = 0; r < rows; r++) {  /* silu(gate) * up, all of it, in each thread */
                 silu_mul(act + r * inter, gu + r * 2 * inter, gu + r * 2 * inter + inter, 0,
@@ -829,11 +872,13 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
             in = input_at(act, inter, inter, rows, in_scratch);
             if (eight_bit(m, &L->down, rows)) in.q8 = (int8_t *)in.q;
             prepare_rows(&L->down, &in, rows);
-            linear_share(&L->down, &in, rows, x, hidden, 1);  /* x += down(act) */
+            /* x += down(act) */
+            linear_share(&L->down, &in, rows, x, hidden, 1, claims + 3 * threads);
 #pragma omp barrier
         }
         bi_input in = norm_rows(m, x, m->final_norm, rows, &m->lm_head, h, in_scratch, 0);
-        linear_share(&m->lm_head, &in, rows, logits, m->vocab, 0);
+        linear_share(&m->lm_head, &in, rows, logits, m->vocab, 0,
+                     s.claims + (int64_t)m->num_layers * 4 * threads);
     }
 }
 

@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from batchinfer import native
+from batchinfer.native.memory import ALIGN_BYTES, huge_page_buffer, huge_pages_supported
 
 
 class NativeLinear:
@@ -38,6 +39,14 @@ class NativeLinear:
         pointers = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
         self.struct = native.Linear(kind, n, k, 0, *pointers,
                                     None if bias is None else bias.data_ptr())
+
+    def point_at(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Read the weights from `tensors` (same shapes and values as `self.tensors`, e.g.
+        copies in huge pages) from now on; structs copied from `struct` before keep the old
+        pointers."""
+        self.tensors = tensors
+        self.struct.weight, self.struct.scale, self.struct.offset = (
+            [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors)))
 
     @property
     def nbytes(self) -> int:
@@ -140,3 +149,25 @@ def dequantize_q8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = packed.view(tiles, groups, 16, native.TILE, 2).permute(0, 1, 3, 2, 4)
     w = q.reshape(tiles, groups, native.TILE, native.GROUP).float() * scale[..., None]
     return w.transpose(1, 2).reshape(tiles * native.TILE, groups * native.GROUP)
+
+
+def move_forms_to_huge_pages(forms: list[NativeLinear]) -> int:
+    """Copy the quantized forms' tensors (float32 forms read the model's weight itself, which
+    `move_to_huge_pages` places) into one huge-page mapping, in the order given (the order a
+    decode step reads them), and point the forms there. Returns the bytes moved."""
+    moving = list({id(f): f for f in forms if f.struct.kind != native.F32}.values())
+    if not moving or not huge_pages_supported():
+        return 0
+    sizes = [[-(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES for t in f.tensors]
+             for f in moving]
+    buffer = huge_page_buffer(sum(map(sum, sizes)))
+    offset = 0
+    for form, form_sizes in zip(moving, sizes, strict=True):
+        copies = []
+        for tensor, size in zip(form.tensors, form_sizes, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            copy = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            copies.append(copy.copy_(tensor))
+            offset += size
+        form.point_at(tuple(copies))
+    return offset

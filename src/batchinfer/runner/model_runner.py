@@ -118,6 +118,8 @@ class ModelRunner:
                 why = "slower than the torch model at every row bucket"
                 if any(decoder.buckets):
                     self.native_decode = decoder
+                    moved = decoder.move_weights_to_huge_pages()
+                    logger.info("native decode weights in huge pages: %.0f MiB", moved / 2**20)
             if self.native_decode is None:
                 logger.info("native decode steps not used: %s", why)
             else:

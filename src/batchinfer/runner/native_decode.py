@@ -47,7 +47,7 @@ from batchinfer.core.sampling_params import SamplingParams
 from batchinfer.models.files import write_cache_json
 from batchinfer.models.linear_kernels import BUCKET_NAMES, KernelLinear, bucket_of
 from batchinfer.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
-from batchinfer.native.linear import NativeLinear
+from batchinfer.native.linear import NativeLinear, move_forms_to_huge_pages
 from batchinfer.runner.backends.paged_rows import PagedRowsBackend
 from batchinfer.runner.input_batch import StepInputs, prepare_inputs
 
@@ -148,6 +148,16 @@ class NativeDecoder:
         self._structs = [entry if on else None
                          for entry, on in zip(self._structs, self.buckets, strict=True)]
         release_native_forms(self.model, self.buckets)
+
+    def move_weights_to_huge_pages(self) -> int:
+        """Move the quantized weights the kept buckets' steps read into huge pages (see
+        `native.memory`), in the order a step reads them; returns the bytes moved."""
+        forms = [form for entry in self._structs if entry is not None for form in entry[2]]
+        moved = move_forms_to_huge_pages(forms)
+        if moved:  # the layer arrays hold copies of the forms' structs: made again
+            self._structs = [self._model_struct(b) if on else None
+                             for b, on in enumerate(self.buckets)]
+        return moved
 
     def _model_struct(self, bucket: int) -> tuple[native.Model, ctypes.Array[native.Layer],
                                                   list[NativeLinear]]:

@@ -40,6 +40,7 @@ from batchinfer.models.linear_kernels import (
 )
 from batchinfer.models.loader import LoadedModel, load_checkpoint, locate_checkpoint
 from batchinfer.models.spec import ModelSpec
+from batchinfer.native.memory import move_to_huge_pages
 from batchinfer.runner.kv_cache import bytes_per_block, resolve_kv_dtype
 from batchinfer.runner.model_runner import ModelRunner
 from batchinfer.runner.speculative.setup import (
@@ -126,6 +127,9 @@ class Worker:
                                        gguf_file=config.gguf_file)
         dtype = _resolve_dtype(config, device, checkpoint.stored)
         loaded = load_checkpoint(checkpoint, dtype, device)
+        if device.type == "cpu":  # before any kernel form keeps a pointer into the weights
+            moved = move_to_huge_pages(loaded.model)
+            logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
         quantization = _resolve_quantization(config, loaded, device, dtype)
         kernels = loaded.model.choose_linear_kernels(
             quantization, config.linear_kernels, device, dtype, default_cache_dir(),

@@ -212,57 +212,38 @@ static inline __m256i tail_mask8(int left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
 }
 
-/* J outputs [j0, j0 + J) of a float32 tile for R rows: one chain per (row, output), two for a
- * single row (8 floats apart), so that FMA latency is covered. */
-static inline __attribute__((always_inline)) void
-f32_part(const bi_linear *l, int tile, int j0, const int J, const float *x, int64_t ldx,
-         const int R, float *y, int64_t ldy, int accumulate) {
-    const int k = l->k, U = R == 1 ? 2 : 1;
-    const float *w = (const float *)l->weight + ((int64_t)tile * TILE_F32 + j0) * k;
-    /* float32 weights stream from memory: fetch the tile two ahead (inside the weight) */
-    const float *ahead = tile + 2 < l->n / TILE_F32 ? w + (int64_t)2 * TILE_F32 * k : w;
-    __m256 acc[ROW_TILE][TILE_F32][2];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 * U <= k; i += 8 * U)
-        for (int u = 0; u < U; u++) {
-            __m256 xv[ROW_TILE];
-            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i + 8 * u);
-            for (int j = 0; j < J; j++) {
-                if (u == 0) _mm_prefetch((const char *)(ahead + (int64_t)j * k + i), _MM_HINT_T0);
-                const __m256 wv = _mm256_loadu_ps(w + (int64_t)j * k + i + 8 * u);
-                for (int r = 0; r < R; r++)
-                    acc[r][j][u] = _mm256_fmadd_ps(wv, xv[r], acc[r][j][u]);
-            }
-        }
-    for (; i < k; i += 8) {
-        const __m256i m = tail_mask8(k - i < 8 ? k - i : 8);
-        __m256 xv[ROW_TILE];
-        for (int r = 0; r < R; r++) xv[r] = _mm256_maskload_ps(x + r * ldx + i, m);
-        for (int j = 0; j < J; j++) {
-            const __m256 wv = _mm256_maskload_ps(w + (int64_t)j * k + i, m);
-            for (int r = 0; r < R; r++) acc[r][j][0] = _mm256_fmadd_ps(wv, xv[r], acc[r][j][0]);
-        }
-    }
-    const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++)
-            finish(y + r * ldy + tile * TILE_F32, j0 + j,
-                   hsum8(U == 2 ? _mm256_add_ps(acc[r][j][0], acc[r][j][1]) : acc[r][j][0]),
-                   bias, accumulate);
-}
-
-/* A float32 tile (4 outputs) for `rows` (1..4) rows: all four outputs together for up to two
- * rows, two at a time for three or four (the accumulators then still fit the registers). */
+/* A float32 tile (4 outputs) for `rows` (1..4) rows, one output after another: each weight
+ * row is read once, front to back, for every input row, so the tile streams through memory in
+ * order (the hardware prefetcher follows one stream better than four rows read side by side;
+ * docs/architecture.md has the figures). Two chains per input row cover FMA latency. */
 static inline __attribute__((always_inline)) void
 f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int rows,
          float *y, int64_t ldy, int accumulate) {
-    if (rows <= 2) {
-        f32_part(l, tile, 0, TILE_F32, x, ldx, rows, y, ldy, accumulate);
-    } else {
-        f32_part(l, tile, 0, 2, x, ldx, rows, y, ldy, accumulate);
-        f32_part(l, tile, 2, 2, x, ldx, rows, y, ldy, accumulate);
+    const int k = l->k;
+    const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
+    for (int j = 0; j < TILE_F32; j++) {
+        const float *w = (const float *)l->weight + ((int64_t)tile * TILE_F32 + j) * k;
+        __m256 acc[ROW_TILE][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= k; i += 16) {
+            const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+            for (int r = 0; r < rows; r++) {
+                acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + i), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + i + 8),
+                                            acc[r][1]);
+            }
+        }
+        for (; i < k; i += 8) {
+            const __m256i m = tail_mask8(k - i < 8 ? k - i : 8);
+            const __m256 wv = _mm256_maskload_ps(w + i, m);
+            for (int r = 0; r < rows; r++)
+                acc[r][0] = _mm256_fmadd_ps(wv, _mm256_maskload_ps(x + r * ldx + i, m),
+                                            acc[r][0]);
+        }
+        for (int r = 0; r < rows; r++)
+            finish(y + r * ldy + tile * TILE_F32, j,
+                   hsum8(_mm256_add_ps(acc[r][0], acc[r][1])), bias, accumulate);
     }
 }
 

@@ -106,31 +106,40 @@ quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y,
     for (int r = 0; r < rows; r++) finish16(y + r * ldy + tile * TILE_Q, acc[r], bias, accumulate);
 }
 
+/* A float32 tile (4 outputs) for `rows` (1..4) rows, one output after another: each weight
+ * row is read once, front to back, for every input row, so the tile streams through memory in
+ * order (the hardware prefetcher follows one stream better than four rows read side by side;
+ * docs/architecture.md has the figures). Two chains per input row cover FMA latency. */
 static inline __attribute__((always_inline)) void
-f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows,
+f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int rows,
          float *y, int64_t ldy, int accumulate) {
     const int k = l->k;
-    const float *w = (const float *)l->weight + (int64_t)tile * TILE_F32 * k;
-    /* float32 weights stream from memory: fetch the tile two ahead (inside the weight) */
-    const float *ahead = tile + 2 < l->n / TILE_F32 ? w + (int64_t)2 * TILE_F32 * k : w;
-    __m512 acc[ROW_TILE][TILE_F32];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int j = 0; j < TILE_F32; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int i = 0; i < k; i += 16) {
-        const __mmask16 m = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
-        __m512 xv[ROW_TILE];
-        for (int r = 0; r < rows; r++) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
-        for (int j = 0; j < TILE_F32; j++) {
-            _mm_prefetch((const char *)(ahead + (int64_t)j * k + i), _MM_HINT_T0);
-            const __m512 wv = _mm512_maskz_loadu_ps(m, w + (int64_t)j * k + i);
-            for (int r = 0; r < rows; r++) acc[r][j] = _mm512_fmadd_ps(wv, xv[r], acc[r][j]);
-        }
-    }
     const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < TILE_F32; j++)
-            finish(y + r * ldy + tile * TILE_F32, j, _mm512_reduce_add_ps(acc[r][j]), bias,
-                   accumulate);
+    for (int j = 0; j < TILE_F32; j++) {
+        const float *w = (const float *)l->weight + ((int64_t)tile * TILE_F32 + j) * k;
+        __m512 acc[ROW_TILE][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 32 <= k; i += 32) {
+            const __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
+            for (int r = 0; r < rows; r++) {
+                acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + i), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + i + 16),
+                                            acc[r][1]);
+            }
+        }
+        for (; i < k; i += 16) {
+            const __mmask16 m = k - i >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (k - i)) - 1);
+            const __m512 wv = _mm512_maskz_loadu_ps(m, w + i);
+            for (int r = 0; r < rows; r++)
+                acc[r][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + r * ldx + i),
+                                            acc[r][0]);
+        }
+        for (int r = 0; r < rows; r++)
+            finish(y + r * ldy + tile * TILE_F32, j,
+                   _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])), bias, accumulate);
+    }
 }
 
 

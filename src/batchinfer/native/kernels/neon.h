@@ -126,28 +126,29 @@ quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y,
                   in->sum + (int64_t)r * groups, y + r * ldy + tile * TILE_Q, accumulate);
 }
 
-/* A float32 tile (4 outputs) for `rows` (1..4) rows: two chains per output. */
+/* A float32 tile (4 outputs) for `rows` (1..4) rows, one output after another: each weight
+ * row is read once, front to back, for every input row, so the tile streams through memory in
+ * order. Two chains per input row cover FMA latency. */
 static inline __attribute__((always_inline)) void
-f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, int rows, float *y,
+f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int rows, float *y,
          int64_t ldy, int accumulate) {
     const int k = l->k;
-    const float *w = (const float *)l->weight + (int64_t)tile * TILE_F32 * k;
     const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
-        float32x4_t a[TILE_F32], b[TILE_F32];
-        for (int j = 0; j < TILE_F32; j++) a[j] = b[j] = vdupq_n_f32(0.f);
+    for (int j = 0; j < TILE_F32; j++) {
+        const float *w = (const float *)l->weight + ((int64_t)tile * TILE_F32 + j) * k;
+        float32x4_t a[ROW_TILE], b[ROW_TILE];
+        for (int r = 0; r < rows; r++) a[r] = b[r] = vdupq_n_f32(0.f);
         int i = 0;
         for (; i + 8 <= k; i += 8) {
-            const float32x4_t x0 = vld1q_f32(xr + i), x1 = vld1q_f32(xr + i + 4);
-            for (int j = 0; j < TILE_F32; j++) {
-                a[j] = vfmaq_f32(a[j], vld1q_f32(w + (int64_t)j * k + i), x0);
-                b[j] = vfmaq_f32(b[j], vld1q_f32(w + (int64_t)j * k + i + 4), x1);
+            const float32x4_t w0 = vld1q_f32(w + i), w1 = vld1q_f32(w + i + 4);
+            for (int r = 0; r < rows; r++) {
+                a[r] = vfmaq_f32(a[r], w0, vld1q_f32(x + r * ldx + i));
+                b[r] = vfmaq_f32(b[r], w1, vld1q_f32(x + r * ldx + i + 4));
             }
         }
-        for (int j = 0; j < TILE_F32; j++) {
-            float total = vaddvq_f32(vaddq_f32(a[j], b[j]));
-            for (int t = i; t < k; t++) total += w[(int64_t)j * k + t] * xr[t];
+        for (int r = 0; r < rows; r++) {
+            float total = vaddvq_f32(vaddq_f32(a[r], b[r]));
+            for (int t = i; t < k; t++) total += w[t] * x[r * ldx + t];
             finish(y + r * ldy + tile * TILE_F32, j, total, bias, accumulate);
         }
     }

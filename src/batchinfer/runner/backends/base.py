@@ -3,11 +3,13 @@ and how K/V are stored in it (as is, or as FP8 with a per-layer scale)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from batchinfer.models.spec import LayerAttention
+from batchinfer.native.memory import huge_page_buffer, huge_pages_supported
 from batchinfer.runner.input_batch import AttentionMetadata
 from batchinfer.runner.kv_cache import KVCacheSpec
 
@@ -115,7 +117,13 @@ class BackendBase:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         shape = self._cache_shape(spec, num_blocks, block_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if self.device.type == "cpu" and huge_pages_supported():
+            # decode attention streams the cache as the linears stream the weights
+            element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
+            self.kv_cache = huge_page_buffer(math.prod(shape) * element_bytes).view(
+                self.kv_dtype).view(shape)  # zeroed by the mapping
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.block_size = block_size
         self.reset_kv_scales()
 
