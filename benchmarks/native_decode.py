@@ -15,7 +15,10 @@ A `+a8` form takes `--prefill-activations int8` (steps of 8+ sequences round the
 to 8 bits where the level has 8-bit products). `--levels`: the native step once per
 instruction-set level named (`BATCHINFER_CPU_ISA`'s names, each built for this CPU: one
 library per level, reading the same weights and cache), in turn with the torch step, which
-runs the level that loads.
+runs the level that loads. `--floor`: a third contender in the same rotation, one sum over a
+buffer as large as the weights a one-row step reads (`step_profile.stream_seconds`' pass),
+printed as the floor's milliseconds and floor / native: each step next to the memory's speed
+of that moment, where this machine's bandwidth comes and goes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +40,9 @@ from batchinfer.runner import model_runner
 from batchinfer.runner.input_batch import prepare_inputs
 from batchinfer.runner.native_decode import NativeDecoder, choose_buckets
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import stream_buffer, weight_bytes  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,6 +51,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,32", help="sequences per step")
     parser.add_argument("--context", type=int, default=256, help="tokens in each context")
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--floor", action="store_true",
+                        help="time streaming the weights' bytes in the same rotation")
     parser.add_argument("--levels", default=None,
                         help="native steps at these instruction-set levels (default: the one "
                              "that loads)")
@@ -63,7 +72,8 @@ def main() -> None:
     named = len(levels) > 1
     print(f"{'weights':8}{'rows':>6}{'torch ms':>10}"
           + "".join(f"{(level + ' ms') if named else 'native ms':>13}{'speed-up':>10}"
-                    for level in levels) + f"{'engine runs':>13}")
+                    for level in levels) + f"{'engine runs':>13}"
+          + (f"{'floor ms':>10}{'floor/native':>14}" if args.floor else ""))
     chosen: list[tuple[bool, ...]] = []
 
     def keep_every_bucket(decoder: NativeDecoder, *rest: Any) -> tuple[bool, ...]:
@@ -85,6 +95,8 @@ def main() -> None:
             chosen) else []
         # A decoder over every bucket that has native forms, whatever start-up chose.
         decoder, why = NativeDecoder.build(llm.engine.worker.loaded.model, runner.attention)
+        buffer = stream_buffer(weight_bytes(llm.engine.worker.loaded.model)) if (
+            args.floor) else None
         block_size = llm.engine.config.block_size
         per_seq = -(-(args.context + 1) // block_size)
         for rows in rows_list:
@@ -99,6 +111,8 @@ def main() -> None:
                 for level, lib in libs.items():
                     ways[level] = NativeDecoder(lib, decoder.model, decoder.backend,
                                                 decoder.buckets).logits
+            if buffer is not None:
+                ways["floor"] = lambda _inputs, b=buffer: b.sum()
             times: dict[str, list[float]] = {name: [] for name in ways}
             with torch.inference_mode():
                 for step in range(args.repeats + 1):
@@ -111,11 +125,15 @@ def main() -> None:
             cells = "".join(f"{ms[level]:13.1f}{ms['torch'] / ms[level]:9.2f}x" if (
                 level in ms) else f"{'-':>13}{'':>10}" for level in levels)
             bucket = BUCKET_NAMES[bucket_of(rows)]
+            floor = ""
+            if "floor" in ms:
+                native_ms = ms[levels[0]] if levels[0] in ms else ms["torch"]
+                floor = f"{ms['floor']:10.1f}{ms['floor'] / native_ms:13.2f}x"
             print(f"{form:8}{rows:6}{ms['torch']:10.1f}{cells}"
-                  f"{'native' if bucket in taken else 'torch':>13}", flush=True)
+                  f"{'native' if bucket in taken else 'torch':>13}{floor}", flush=True)
         if decoder is None:
             print(f"{form}: no native decode steps ({why})")
-        del llm, decoder
+        del llm, decoder, buffer
 
 
 if __name__ == "__main__":

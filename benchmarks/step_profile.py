@@ -225,21 +225,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
                        if t.device.type != "meta" and t.layout == torch.strided)
 
 
-def stream_seconds(num_bytes: int) -> float:
-    """Time to read `num_bytes` once from memory (a float32 sum over a buffer that size in huge
-    pages where the platform has them, as the weights are: the fastest of 5 passes): a decode
-    step's floor, whatever form the weights take."""
+def stream_buffer(num_bytes: int) -> torch.Tensor:
+    """A float32 buffer of `num_bytes`, in huge pages where the platform has them (as the
+    weights are)."""
     count = max(1, num_bytes // 4)
     if huge_pages_supported():
-        buffer = huge_page_buffer(count * 4).view(torch.float32).fill_(1.0)
-    else:
-        buffer = torch.ones(count)
+        return huge_page_buffer(count * 4).view(torch.float32).fill_(1.0)
+    return torch.ones(count)
+
+
+def stream_seconds(num_bytes: int, passes: int = 5) -> float:
+    """Time to read `num_bytes` once from memory (a float32 sum over `stream_buffer`, the
+    median of `passes` passes: this machine's bandwidth comes and goes, and a step is quoted
+    as a median too): a decode step's floor, whatever form the weights take."""
+    buffer = stream_buffer(num_bytes)
     times = []
-    for _ in range(5):
+    for _ in range(passes):
         start = time.perf_counter()
         buffer.sum()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 def print_memory_floor(engine: LLMEngine, records: list[StepRecord]) -> None:

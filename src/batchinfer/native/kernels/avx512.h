@@ -1,6 +1,7 @@
 /* AVX-512 (F + BW; VNNI's dot products where the compiler targets them): 512-bit kernels. */
 #include <immintrin.h>
 #include "common.h"
+#include "f32_256.h"
 
 #define BI_ISA_NAME "avx512"
 #define BI_HELD16 1
@@ -105,43 +106,6 @@ quant_tile(const bi_linear *l, int tile, const bi_input *in, int rows, float *y,
     const float *bias = l->bias ? l->bias + tile * TILE_Q : NULL;
     for (int r = 0; r < rows; r++) finish16(y + r * ldy + tile * TILE_Q, acc[r], bias, accumulate);
 }
-
-/* A float32 tile (4 outputs) for `rows` (1..4) rows, one output after another: each weight
- * row is read once, front to back, for every input row, so the tile streams through memory in
- * order (the hardware prefetcher follows one stream better than four rows read side by side;
- * docs/architecture.md has the figures). Two chains per input row cover FMA latency. */
-static inline __attribute__((always_inline)) void
-f32_tile(const bi_linear *l, int tile, const float *x, int64_t ldx, const int rows,
-         float *y, int64_t ldy, int accumulate) {
-    const int k = l->k;
-    const float *bias = l->bias ? l->bias + tile * TILE_F32 : NULL;
-    for (int j = 0; j < TILE_F32; j++) {
-        const float *w = (const float *)l->weight + ((int64_t)tile * TILE_F32 + j) * k;
-        __m512 acc[ROW_TILE][2];
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        int i = 0;
-        for (; i + 32 <= k; i += 32) {
-            const __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
-            for (int r = 0; r < rows; r++) {
-                acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + i), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + i + 16),
-                                            acc[r][1]);
-            }
-        }
-        for (; i < k; i += 16) {
-            const __mmask16 m = k - i >= 16 ? (__mmask16)0xffff
-                                            : (__mmask16)((1u << (k - i)) - 1);
-            const __m512 wv = _mm512_maskz_loadu_ps(m, w + i);
-            for (int r = 0; r < rows; r++)
-                acc[r][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + r * ldx + i),
-                                            acc[r][0]);
-        }
-        for (int r = 0; r < rows; r++)
-            finish(y + r * ldy + tile * TILE_F32, j,
-                   _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])), bias, accumulate);
-    }
-}
-
 
 /* One group's weights of T tiles, unpacked to 16 bits in input-pair order: `wb[t][p]` holds
  * each of the tile's 16 outputs' weights for inputs 2p and 2p + 1 (one 32-bit lane each). */
