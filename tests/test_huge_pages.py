@@ -69,3 +69,31 @@ def test_huge_page_buffer_is_zeroed_and_marked_for_huge_pages():
             flags = line.split()[1:]
             break
     assert flags is not None and "hg" in flags
+
+
+def test_moved_native_forms_compute_the_same_from_one_mapping():
+    from batchinfer import native
+    from batchinfer.models.linear_kernels import WeightForms
+    from batchinfer.native.linear import NativeLinear, move_forms_to_huge_pages
+
+    if native.library() is None:
+        pytest.skip("the native kernels are not built here")
+    torch.manual_seed(0)
+    q4 = WeightForms(torch.randn(64, 96), torch.randn(64)).kernel("q4_native")
+    q8 = WeightForms(torch.randn(32, 64), None).kernel("q8_native")
+    dense = torch.randn(16, 64)
+    f32 = NativeLinear(native.library(), native.F32, 16, 64, (dense,), None)
+    x96, x64 = torch.randn(5, 96), torch.randn(5, 64)
+    expected = [q4(x96), q8(x64), f32(x64)]
+    old = [t.data_ptr() for form in (q4, q8) for t in form.tensors]
+
+    moved = move_forms_to_huge_pages([q4, q8, f32, q4])
+
+    assert moved >= sum(t.numel() * t.element_size() for form in (q4, q8) for t in form.tensors)
+    new = [t.data_ptr() for form in (q4, q8) for t in form.tensors]
+    assert not set(new) & set(old) and max(new) - min(new) < moved  # one mapping
+    assert q4.struct.weight == q4.tensors[0].data_ptr()
+    assert q4.struct.offset == q4.tensors[2].data_ptr()
+    assert f32.struct.weight == dense.data_ptr()  # float32 forms read the model's weight
+    for got, want in zip([q4(x96), q8(x64), f32(x64)], expected, strict=True):
+        assert torch.equal(got, want)

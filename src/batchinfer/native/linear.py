@@ -15,7 +15,12 @@ import ctypes
 import torch
 
 from batchinfer import native
-from batchinfer.native.memory import ALIGN_BYTES, huge_page_buffer, huge_pages_supported
+from batchinfer.native.memory import (
+    ALIGN_BYTES,
+    huge_page_buffer,
+    huge_pages_supported,
+    return_freed_memory,
+)
 
 
 class NativeLinear:
@@ -170,4 +175,5 @@ def move_forms_to_huge_pages(forms: list[NativeLinear]) -> int:
             copies.append(copy.copy_(tensor))
             offset += size
         form.point_at(tuple(copies))
+    return_freed_memory()
     return offset

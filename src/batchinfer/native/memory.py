@@ -10,6 +10,8 @@ order the model reads them. Elsewhere (no `MADV_HUGEPAGE`, another OS) nothing m
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 from collections.abc import Iterable
 
@@ -58,7 +60,20 @@ def move_to_huge_pages(module: nn.Module) -> int:
         moved = buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
         moved.copy_(tensor.detach())
         tensor.data = moved
+    return_freed_memory()
     return total
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
+    nothing): tensors that moved into a mapping free their old storage, which the heap would
+    otherwise keep resident."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _movable(module: nn.Module) -> Iterable[torch.Tensor]:

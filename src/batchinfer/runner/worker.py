@@ -127,10 +127,13 @@ class Worker:
                                        gguf_file=config.gguf_file)
         dtype = _resolve_dtype(config, device, checkpoint.stored)
         loaded = load_checkpoint(checkpoint, dtype, device)
-        if device.type == "cpu":  # before any kernel form keeps a pointer into the weights
+        quantization = _resolve_quantization(config, loaded, device, dtype)
+        if device.type == "cpu" and quantization == "none":
+            # Before any kernel form keeps a pointer into the weights. Quantized forms are
+            # moved once made (NativeDecoder.move_weights_to_huge_pages): the float weights
+            # they replace are freed then, which one mapping holding them all would prevent.
             moved = move_to_huge_pages(loaded.model)
             logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
-        quantization = _resolve_quantization(config, loaded, device, dtype)
         kernels = loaded.model.choose_linear_kernels(
             quantization, config.linear_kernels, device, dtype, default_cache_dir(),
             config.prepack_weights, config.native_decode)

@@ -120,8 +120,10 @@ class BackendBase:
         if self.device.type == "cpu" and huge_pages_supported():
             # decode attention streams the cache as the linears stream the weights
             element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
+            # Written through now, as torch.zeros would: the pages are had at start-up, not
+            # faulted in by the first steps (nor by the start-up measurements' probes).
             self.kv_cache = huge_page_buffer(math.prod(shape) * element_bytes).view(
-                self.kv_dtype).view(shape)  # zeroed by the mapping
+                self.kv_dtype).view(shape).zero_()
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.block_size = block_size
