@@ -550,23 +550,70 @@ static inline void prefetch_bytes(const char *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
 }
 
-/* One part of a sequence's attention, for the query heads that share KV head `kvh`: context
- * blocks [first_block, last_block) of its table (this step's K/V already written), `context`
- * tokens in all. Writes per head the unnormalized output `out[h][d]`, the largest score
- * `mx[h]` and the sum of exp(score - mx) `total[h]` (an online softmax, block by block), for
- * `merge_parts` to combine. `scores`: per_kv * block_size floats; `widened`: 2 * block_size *
- * head_dim floats, where a block of a narrower cache is widened to float32 (in L1) before the
- * float32 kernels read it. An 8-bit cache's scales fold into the scores' scale and the
- * output: q . (K k_scale) = (q . K) k_scale, and the output is linear in V. */
+/* One block of `n` tokens (its keys at `k_at`, values at `v_at`) for the `per_kv` query heads
+ * `q` that share one KV head: the online softmax's step, folding the block into each head's
+ * unnormalized output `out[h][d]`, largest score `mx[h]` and sum of exp(score - mx)
+ * `total[h]`. `scores`: per_kv * block_size floats; `widened`: 2 * block_size * head_dim
+ * floats, where a block of a narrower cache is widened to float32 (in L1) before the float32
+ * kernels read it. */
+static void attend_block(const bi_model *m, const char *k_at, const char *v_at, int n,
+                         const float *q, float scale, float *out, float *mx, float *total,
+                         float *scores, float *widened) {
+    const int d = m->head_dim, bs = m->block_size, type = m->kv_type;
+    const int per_kv = m->num_heads / m->num_kv_heads;
+    const float *keys = (const float *)k_at, *values = (const float *)v_at;
+    int in_place = 0;
+#if BI_FIXED_KV
+    in_place = block_scores_in_place(q, k_at, n, per_kv, d, type, scale, scores, bs);
+#endif
+    if (!in_place && type != BI_KV_F32) {
+        kv_load(k_at, (int64_t)n * d, type, widened);
+        kv_load(v_at, (int64_t)n * d, type, widened + (int64_t)bs * d);
+        keys = widened;
+        values = widened + (int64_t)bs * d;
+    }
+    if (!in_place) block_scores(q, keys, n, per_kv, d, scale, scores, bs);
+    for (int h = 0; h < per_kv; h++) {
+        float *sh = scores + h * bs, *oh = out + h * d;
+        float best = mx[h];
+        int t = max_span(sh, n, &best);
+        for (; t < n; t++) best = sh[t] > best ? sh[t] : best;
+        if (best > mx[h]) {  /* a new maximum: rescale what was summed so far */
+            const float factor = mx[h] == -INFINITY ? 0.f : expf(mx[h] - best);
+            total[h] *= factor;
+#pragma omp simd
+            for (int i = 0; i < d; i++) oh[i] *= factor;
+            mx[h] = best;
+        }
+        total[h] += exp_shifted(sh, n, mx[h]);
+    }
+#if BI_FIXED_KV
+    if (in_place) {
+        block_values_in_place(scores, v_at, n, per_kv, d, type, out, bs);
+        return;
+    }
+#endif
+    block_values(scores, values, n, per_kv, d, out, bs);
+}
+
+/* One part of a sequence's attention, every KV head's: context blocks [first_block,
+ * last_block) of its table (this step's K/V already written), `context` tokens in all, for
+ * the rotated queries `q[heads][d]`. Writes per query head the unnormalized output
+ * `out[heads][d]`, the largest score `mx[heads]` and the sum of exp(score - mx)
+ * `total[heads]` (an online softmax, block by block), for `merge_parts` to combine. A block's
+ * KV heads are taken one after another: its keys of every head lie end to end, then its
+ * values, so a part reads its blocks in runs as long as the block rather than one head's
+ * slice of each. An 8-bit cache's scales fold into the scores' scale and the output:
+ * q . (K k_scale) = (q . K) k_scale, and the output is linear in V. */
 static void attend_part(const bi_model *m, const void *layer_cache, const float *q,
                         int64_t context, const int64_t *table, int64_t first_block,
-                        int64_t last_block, int kvh, float k_scale, float v_scale, float *out,
+                        int64_t last_block, float k_scale, float v_scale, float *out,
                         float *mx, float *total, float *scores, float *widened) {
     const int d = m->head_dim, bs = m->block_size, kv = m->num_kv_heads;
-    const int per_kv = m->num_heads / kv, type = m->kv_type;
-    const int64_t eb = kv_element_bytes(type);
+    const int per_kv = m->num_heads / kv, heads = m->num_heads;
+    const int64_t head_bytes = (int64_t)bs * d * kv_element_bytes(m->kv_type);
     const float scale = k_scale / sqrtf((float)d);
-    for (int h = 0; h < per_kv; h++) {
+    for (int h = 0; h < heads; h++) {
         mx[h] = -INFINITY;
         total[h] = 0.f;
         memset(out + h * d, 0, sizeof(float) * d);
@@ -574,54 +621,17 @@ static void attend_part(const bi_model *m, const void *layer_cache, const float 
     for (int64_t b = first_block; b < last_block; b++) {
         const int64_t t0 = b * bs;
         const int n = context - t0 < bs ? (int)(context - t0) : bs;
-        const int64_t block = table[b];
-        const char *k_at = (const char *)layer_cache + ((block * 2 + 0) * kv + kvh) * bs * d * eb;
-        const char *v_at = (const char *)layer_cache + ((block * 2 + 1) * kv + kvh) * bs * d * eb;
-        if (b + PREFETCH_BLOCKS < last_block) {
-            const int64_t next = table[b + PREFETCH_BLOCKS];
-            const int64_t left = context - t0 - PREFETCH_BLOCKS * bs;
-            const int64_t next_n = left < bs ? left : bs;
-            prefetch_bytes((const char *)layer_cache + ((next * 2 + 0) * kv + kvh) * bs * d * eb,
-                           next_n * d * eb);
-            prefetch_bytes((const char *)layer_cache + ((next * 2 + 1) * kv + kvh) * bs * d * eb,
-                           next_n * d * eb);
-        }
-        const float *keys = (const float *)k_at, *values = (const float *)v_at;
-        int in_place = 0;
-#if BI_FIXED_KV
-        in_place = block_scores_in_place(q, k_at, n, per_kv, d, type, scale, scores, bs);
-#endif
-        if (!in_place && type != BI_KV_F32) {
-            kv_load(k_at, (int64_t)n * d, type, widened);
-            kv_load(v_at, (int64_t)n * d, type, widened + (int64_t)bs * d);
-            keys = widened;
-            values = widened + (int64_t)bs * d;
-        }
-        if (!in_place) block_scores(q, keys, n, per_kv, d, scale, scores, bs);
-        for (int h = 0; h < per_kv; h++) {
-            float *sh = scores + h * bs, *oh = out + h * d;
-            float best = mx[h];
-            int t = max_span(sh, n, &best);
-            for (; t < n; t++) best = sh[t] > best ? sh[t] : best;
-            if (best > mx[h]) {  /* a new maximum: rescale what was summed so far */
-                const float factor = mx[h] == -INFINITY ? 0.f : expf(mx[h] - best);
-                total[h] *= factor;
-#pragma omp simd
-                for (int i = 0; i < d; i++) oh[i] *= factor;
-                mx[h] = best;
-            }
-            total[h] += exp_shifted(sh, n, mx[h]);
-        }
-#if BI_FIXED_KV
-        if (in_place) {
-            block_values_in_place(scores, v_at, n, per_kv, d, type, out, bs);
-            continue;
-        }
-#endif
-        block_values(scores, values, n, per_kv, d, out, bs);
+        const char *k_at = (const char *)layer_cache + table[b] * 2 * kv * head_bytes;
+        if (b + PREFETCH_BLOCKS < last_block)  /* the keys and values of every head */
+            prefetch_bytes((const char *)layer_cache + table[b + PREFETCH_BLOCKS] * 2 * kv
+                           * head_bytes, 2 * kv * head_bytes);
+        for (int i = 0; i < kv; i++)
+            attend_block(m, k_at + i * head_bytes, k_at + (kv + i) * head_bytes, n,
+                         q + i * per_kv * d, scale, out + i * per_kv * d, mx + i * per_kv,
+                         total + i * per_kv, scores, widened);
     }
     if (v_scale != 1.f)
-        for (int i = 0; i < per_kv * d; i++) out[i] *= v_scale;
+        for (int i = 0; i < heads * d; i++) out[i] *= v_scale;
 }
 
 /* The attention of `heads` query heads from `parts` partial results (`attend_part`), each
@@ -654,11 +664,10 @@ static void merge_parts(const float *parts, int num_parts, int64_t part_stride, 
 /* Parts a sequence's context is cut into so that every thread has work: at most
  * MAX_PARTS, none shorter than MIN_PART_TOKENS. */
 #define MAX_PARTS 16
-#define MIN_PART_TOKENS 128
+#define MIN_PART_TOKENS 64
 
-static int parts_wanted(int rows, int kv, int threads) {
-    const int tasks = rows * kv;
-    int parts = (2 * threads + tasks - 1) / tasks;
+static int parts_wanted(int rows, int threads) {
+    const int parts = (2 * threads + rows - 1) / rows;
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
 }
 
@@ -673,7 +682,7 @@ static int64_t max_k(const bi_model *m) {
 typedef struct {
     float *x, *qkv, *att, *gu, *parts;
     void *att_in;   /* the o projection's prepared input (filled slice by slice) */
-    int32_t *done;  /* [layers][rows][kv]: parts of each attention finished */
+    int32_t *done;  /* [layers][rows]: parts of each row's attention finished */
     int32_t *claims;  /* [layers * 4 + 1][threads]: each linear's claim counters */
     float *private_base;
     int64_t private_floats, total;
@@ -690,7 +699,7 @@ static int64_t claim_counters(const bi_model *m, int threads) {
 static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float *work) {
     const int64_t h = m->hidden, d = m->head_dim, kv = m->num_kv_heads;
     const int64_t qkv = (m->num_heads + 2 * kv) * d, att = (int64_t)m->num_heads * d;
-    const int64_t per_kv = m->num_heads / kv, parts = parts_wanted(rows, (int)kv, threads);
+    const int64_t per_kv = m->num_heads / kv, parts = parts_wanted(rows, threads);
     bi_scratch s = {0};
     int64_t at = 0;  /* offsets in floats; `work` may be NULL when only sizing */
 #define TAKE(n) (at += (n), at - (n))
@@ -698,13 +707,14 @@ static bi_scratch scratch_layout(const bi_model *m, int rows, int threads, float
     const int64_t att_in = TAKE(floats_for(input_bytes(att, rows)));
     const int64_t gu = TAKE(rows * 2 * (int64_t)m->intermediate);
     const int64_t pa = TAKE(rows * kv * parts * per_kv * (d + 2));
-    const int64_t done = TAKE((int64_t)m->num_layers * rows * kv);
+    const int64_t done = TAKE((int64_t)m->num_layers * rows);
     const int64_t claims = TAKE(claim_counters(m, threads));
 #undef TAKE
     /* per thread: normalized input, silu(gate) * up, a linear's prepared input, scores,
      * rotated queries, a widened block of keys and values */
     s.private_floats = rows * (h + m->intermediate) + floats_for(input_bytes(max_k(m), rows))
-                       + per_kv * (m->block_size + d) + 2 * m->block_size * d + 16;
+                       + per_kv * m->block_size + m->num_heads * d + 2 * m->block_size * d
+                       + 16;
     s.total = at + threads * s.private_floats;
     if (work) {
         s.x = work + x; s.qkv = work + q; s.att = work + a; s.att_in = work + att_in;
@@ -769,7 +779,7 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
     const int hidden = m->hidden, d = m->head_dim, heads = m->num_heads, kv = m->num_kv_heads;
     const int inter = m->intermediate, bs = m->block_size, half = d / 2;
     const int qkv_n = (heads + 2 * kv) * d, att_n = heads * d, per_kv = heads / kv;
-    const int max_parts = parts_wanted(rows, kv, threads);
+    const int max_parts = parts_wanted(rows, threads);
     const int64_t part_stride = (int64_t)per_kv * (d + 2);
     const int64_t layer_bytes = m->num_blocks * 2 * kv * (int64_t)bs * d * kv_element_bytes(m->kv_type);
     const bi_scratch s = scratch_layout(m, rows, threads, work);
@@ -778,7 +788,7 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
 
     for (int r = 0; r < rows; r++)
         memcpy(x + r * hidden, m->embed + tokens[r] * (int64_t)hidden, sizeof(float) * hidden);
-    memset(s.done, 0, sizeof(int32_t) * (size_t)m->num_layers * rows * kv);
+    memset(s.done, 0, sizeof(int32_t) * (size_t)m->num_layers * rows);
     memset(s.claims, 0, sizeof(int32_t) * (size_t)claim_counters(m, threads));
 
 #pragma omp parallel num_threads(threads)
@@ -788,13 +798,13 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
         void *in_scratch = act + rows * inter;
         float *scores = (float *)in_scratch + floats_for(input_bytes(max_k(m), rows));
         float *q_rot = scores + per_kv * bs;
-        float *widened = q_rot + per_kv * d;
+        float *widened = q_rot + heads * d;
         for (int li = 0; li < m->num_layers; li++) {
             const bi_layer *L = m->layers + li;
             char *cache = (char *)m->kv_cache + li * layer_bytes;
             const float k_scale = m->kv_scales ? m->kv_scales[2 * li] : 1.f;
             const float v_scale = m->kv_scales ? m->kv_scales[2 * li + 1] : 1.f;
-            int32_t *done = s.done + (int64_t)li * rows * kv;
+            int32_t *done = s.done + (int64_t)li * rows;
             bi_input att_in = att_in16;
             if (eight_bit(m, &L->o, rows)) att_in.q8 = (int8_t *)att_in.q;
             bi_input in = norm_rows(m, x, L->input_norm, rows, &L->qkv, h, in_scratch,
@@ -812,9 +822,8 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                 }
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int task = 0; task < rows * kv * max_parts; task++) {
-                const int r = task / (kv * max_parts), i = task / max_parts % kv;
-                const int part = task % max_parts;
+            for (int task = 0; task < rows * max_parts; task++) {
+                const int r = task / max_parts, part = task % max_parts;
                 const int64_t context = context_lens[r], blocks = (context + bs - 1) / bs;
                 int num_parts = (int)((context + MIN_PART_TOKENS - 1) / MIN_PART_TOKENS);
                 num_parts = num_parts > max_parts ? max_parts : num_parts < 1 ? 1 : num_parts;
@@ -822,40 +831,42 @@ void bi_decode(const bi_model *m, int rows, const int64_t *tokens, const int64_t
                 const float *row = qkv + r * qkv_n;
                 const float *c = m->rope_cos + positions[r] * half;
                 const float *sn = m->rope_sin + positions[r] * half;
-                memcpy(q_rot, row + i * per_kv * d, sizeof(float) * per_kv * d);
-                for (int j = 0; j < per_kv; j++) rope(q_rot + j * d, c, sn, half);
+                memcpy(q_rot, row, sizeof(float) * heads * d);
+                for (int j = 0; j < heads; j++) rope(q_rot + j * d, c, sn, half);
                 if (!m->kv_first && part == num_parts - 1)  /* it reads the new slot */
-                    store_new_kv(m, cache, row, i, slots[r], c, sn, k_scale, v_scale, widened);
-                float *first = s.parts + (int64_t)(r * kv + i) * max_parts * part_stride;
-                float *out = first + part * part_stride;
-                float mx[per_kv], total[per_kv], acc[per_kv * d];
+                    for (int i = 0; i < kv; i++)
+                        store_new_kv(m, cache, row, i, slots[r], c, sn, k_scale, v_scale,
+                                     widened);
+                float mx[heads], total[heads], acc[heads * d];
                 attend_part(m, cache, q_rot, context, block_ids + block_starts[r],
-                            blocks * part / num_parts, blocks * (part + 1) / num_parts, i,
+                            blocks * part / num_parts, blocks * (part + 1) / num_parts,
                             k_scale, v_scale, acc, mx, total, scores, widened);
-                for (int j = 0; j < per_kv; j++) {
-                    memcpy(out + j * (d + 2), acc + j * d, sizeof(float) * d);
-                    out[j * (d + 2) + d] = mx[j];
-                    out[j * (d + 2) + d + 1] = total[j];
+                for (int j = 0; j < heads; j++) {  /* head j: KV head j / per_kv's parts */
+                    float *out = s.parts + ((int64_t)(r * kv + j / per_kv) * max_parts + part)
+                                 * part_stride + (j % per_kv) * (d + 2);
+                    memcpy(out, acc + j * d, sizeof(float) * d);
+                    out[d] = mx[j];
+                    out[d + 1] = total[j];
                 }
                 /* The last part to finish (its writes released, the others' acquired) merges
-                 * them and prepares its slice of the output for the o projection. */
-                if (__atomic_add_fetch(done + r * kv + i, 1, __ATOMIC_ACQ_REL) == num_parts) {
-                    const int at = i * per_kv * d;
-                    merge_parts(first, num_parts, part_stride, per_kv, d, att + r * att_n + at);
+                 * them and prepares the row's output for the o projection. */
+                if (__atomic_add_fetch(done + r, 1, __ATOMIC_ACQ_REL) == num_parts) {
+                    for (int i = 0; i < kv; i++)
+                        merge_parts(s.parts + (int64_t)(r * kv + i) * max_parts * part_stride,
+                                    num_parts, part_stride, per_kv, d,
+                                    att + r * att_n + i * per_kv * d);
+                    const int groups = att_n / GROUP;
 #if BI_ACT8
                     if (att_in.q8)
-                        quantize_groups8(att + r * att_n + at, per_kv * d / GROUP,
-                                         att_in.q8 + (int64_t)r * att_n + at,
-                                         att_in.scale + (int64_t)r * (att_n / GROUP) + at / GROUP,
-                                         att_in.sum + (int64_t)r * (att_n / GROUP) + at / GROUP,
-                                         L->o.kind == BI_Q8);
+                        quantize_groups8(att + r * att_n, groups, att_in.q8 + (int64_t)r * att_n,
+                                         att_in.scale + (int64_t)r * groups,
+                                         att_in.sum + (int64_t)r * groups, L->o.kind == BI_Q8);
                     else
 #endif
                     if (L->o.kind != BI_F32)
-                        quantize_groups(att + r * att_n + at, per_kv * d / GROUP,
-                                        att_in.q + (int64_t)r * att_n + at,
-                                        att_in.scale + (int64_t)r * (att_n / GROUP) + at / GROUP,
-                                        att_in.sum + (int64_t)r * (att_n / GROUP) + at / GROUP);
+                        quantize_groups(att + r * att_n, groups, att_in.q + (int64_t)r * att_n,
+                                        att_in.scale + (int64_t)r * groups,
+                                        att_in.sum + (int64_t)r * groups);
                 }
             }
             /* x += o(att) */
