@@ -10,7 +10,6 @@ from torch import nn
 
 from batchinfer.native.memory import (
     HUGE_PAGE_BYTES,
-    MIN_MOVED_BYTES,
     huge_page_buffer,
     huge_pages_supported,
     move_to_huge_pages,
@@ -49,9 +48,7 @@ def test_moved_tensors_keep_values_and_ties_in_one_mapping():
     assert moved >= sizes and starts[-1] - starts[0] < moved  # one mapping, end to end
     assert all(p % 64 == 0 for p in starts)
     assert torch.equal(model.head(model.proj(x)[:, :64]), expected)
-    # the moved parameters still take in-place updates and gradients as parameters
-    assert isinstance(model.proj.weight, nn.Parameter)
-    assert model.proj.weight.numel() * 4 >= MIN_MOVED_BYTES
+    assert isinstance(model.proj.weight, nn.Parameter)  # moved in place, not replaced
 
 
 def test_huge_page_buffer_is_zeroed_and_marked_for_huge_pages():

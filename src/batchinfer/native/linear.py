@@ -15,12 +15,7 @@ import ctypes
 import torch
 
 from batchinfer import native
-from batchinfer.native.memory import (
-    ALIGN_BYTES,
-    huge_page_buffer,
-    huge_pages_supported,
-    return_freed_memory,
-)
+from batchinfer.native.memory import huge_page_copies, huge_pages_supported, return_freed_memory
 
 
 class NativeLinear:
@@ -163,17 +158,9 @@ def move_forms_to_huge_pages(forms: list[NativeLinear]) -> int:
     moving = list({id(f): f for f in forms if f.struct.kind != native.F32}.values())
     if not moving or not huge_pages_supported():
         return 0
-    sizes = [[-(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES for t in f.tensors]
-             for f in moving]
-    buffer = huge_page_buffer(sum(map(sum, sizes)))
-    offset = 0
-    for form, form_sizes in zip(moving, sizes, strict=True):
-        copies = []
-        for tensor, size in zip(form.tensors, form_sizes, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            copy = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            copies.append(copy.copy_(tensor))
-            offset += size
-        form.point_at(tuple(copies))
+    copies, moved = huge_page_copies([t for form in moving for t in form.tensors])
+    taken = iter(copies)
+    for form in moving:
+        form.point_at(tuple(next(taken) for _ in form.tensors))
     return_freed_memory()
-    return offset
+    return moved

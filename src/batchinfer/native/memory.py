@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -40,28 +40,33 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)[:num_bytes]
 
 
+def huge_page_copies(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """Copies of `tensors` end to end in one huge-page mapping, in the order given, each
+    starting on a cache line; and the mapping's bytes in use."""
+    sizes = [-(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES for t in tensors]
+    buffer = huge_page_buffer(sum(sizes))
+    copies, offset = [], 0
+    for tensor, size in zip(tensors, sizes, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        copy = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        copies.append(copy.copy_(tensor.detach()))
+        offset += size
+    return copies, offset
+
+
 def move_to_huge_pages(module: nn.Module) -> int:
     """Copy `module`'s large CPU parameters and buffers (contiguous, at least MIN_MOVED_BYTES)
     into one huge-page mapping, in registration order, and point them there (tied parameters
     stay tied: each tensor moves once). Call before anything keeps a view or a pointer of the
     old storage. Returns the bytes moved (0 where huge pages are unsupported)."""
-    if not huge_pages_supported():
-        return 0
     tensors = list(_movable(module))
-    offsets, total = [], 0
-    for tensor in tensors:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
-    if not tensors:
+    if not tensors or not huge_pages_supported():
         return 0
-    buffer = huge_page_buffer(total)
-    for tensor, offset in zip(tensors, offsets, strict=True):
-        size = tensor.numel() * tensor.element_size()
-        moved = buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
-        moved.copy_(tensor.detach())
-        tensor.data = moved
+    copies, moved = huge_page_copies(tensors)
+    for tensor, copy in zip(tensors, copies, strict=True):
+        tensor.data = copy
     return_freed_memory()
-    return total
+    return moved
 
 
 def return_freed_memory() -> None:
