@@ -91,6 +91,30 @@ def check_shape(n: int, k: int, kind: str) -> None:
                          f"and inputs a multiple of {native.GROUP}, not a {n}x{k} weight")
 
 
+# Weight scales the kernels take: 0 or |scale| in [2^-66, 2^31), where the many-row kernels
+# may fold an input's power-of-two scale into one by adding to its exponent (common.h,
+# `input_scale16`) and still hold the exact product.
+SMALLEST_SCALE = 2.0 ** -66
+LARGEST_SCALE = 2.0 ** 31
+
+
+def kernel_scales(q: torch.Tensor, scale: torch.Tensor, kind: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers `[n, groups, 32]` and their scales `[n, groups]` as the kernels take them: a
+    group whose |scale| is below SMALLEST_SCALE (0 included) becomes integers 0 at scale 1, the
+    same weights (q4: its offset; q8: 0) within 15 * 2^-66; a scale of LARGEST_SCALE or more is
+    a ValueError."""
+    magnitude = scale.abs()
+    if bool((magnitude >= LARGEST_SCALE).any()):
+        raise ValueError(f"a {kind} weight scale of {float(magnitude.max()):g} is out of the "
+                         f"native kernels' range (below {LARGEST_SCALE:g})")
+    small = magnitude < SMALLEST_SCALE
+    if not bool(small.any()):
+        return q, scale
+    return (q.masked_fill(small[..., None], 0),
+            scale.masked_fill(small, 1.0))
+
+
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit integers `[n, k]` (0..15) and their per-group `scale`, `offset` (`[n, k/32]`,
@@ -100,6 +124,8 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     n, k = q.shape
     check_shape(n, k, "q4")
     tiles, groups = n // native.TILE, k // native.GROUP
+    q, scale = kernel_scales(q.reshape(n, groups, native.GROUP), scale, "q4")
+    q = q.reshape(n, k)
     by_group = q.to(torch.uint8).view(tiles, native.TILE, groups, native.GROUP).transpose(1, 2)
     # [tiles, groups, 16 outputs, 32]: elements 0-15 go low, 16-31 high; (2i + e) -> (i, e)
     low = by_group[..., :16].reshape(tiles, groups, native.TILE, 8, 2)
@@ -121,6 +147,7 @@ def pack_q8_groups(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
     n, groups = scale.shape
     check_shape(n, groups * native.GROUP, "q8")
     tiles = n // native.TILE
+    q, scale = kernel_scales(q.reshape(n, groups, native.GROUP), scale, "q8")
     by_group = q.reshape(tiles, native.TILE, groups, native.GROUP).transpose(1, 2)
     packed = by_group.reshape(tiles, groups, native.TILE, 16, 2).permute(0, 1, 3, 2, 4)
     return packed.reshape(tiles, groups, 16, 32).contiguous(), _by_tile(scale, n, groups)

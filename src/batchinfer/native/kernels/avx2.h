@@ -19,9 +19,10 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* A group of 32 inputs as integers of at most `limit` (x * limit / its largest |x|, rounded
- * to nearest, the default mode): qi[i] holds inputs 8i..8i+7 in 32-bit lanes. Returns that
- * largest |x|; `*sum`: the inputs' float sum. */
+/* A group of 32 inputs as integers of at most `limit`, rounded to nearest (the default
+ * mode): qi[i] holds inputs 8i..8i+7 in 32-bit lanes. `limit` 32767: x * 2^-j by the group's
+ * `input_scale16`; else x * limit / its largest |x|. Returns the scale; `*sum`: the inputs'
+ * float sum. */
 static inline __attribute__((always_inline)) float
 round_group(const float *x, float limit, __m256i qi[4], float *sum) {
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -30,23 +31,29 @@ round_group(const float *x, float limit, __m256i qi[4], float *sum) {
     const float top = hmax8(_mm256_max_ps(
         _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-    const __m256 inv = _mm256_set1_ps(top > TINY_GROUP ? limit / top : 0.f);
+    float inv_top, scale;
+    if (limit == 32767.f) {
+        scale = input_scale16(top, &inv_top);
+    } else {
+        inv_top = top > TINY_GROUP ? limit / top : 0.f;
+        scale = top / limit;
+    }
+    const __m256 inv = _mm256_set1_ps(inv_top);
     for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     *sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    return top;
+    return scale;
 }
 
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
 static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
     for (int g = 0; g < groups; g++) {
         __m256i qi[4];
-        const float top = round_group(x + g * GROUP, 32767.f, qi, sum + g);
+        scale[g] = round_group(x + g * GROUP, 32767.f, qi, sum + g);
         /* narrow with saturation; packs works within 128-bit lanes: put them back in order */
         const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
         const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), a);
         _mm256_storeu_si256((__m256i *)(q + g * GROUP + 16), b);
-        scale[g] = top / 32767.f;
     }
 }
 
@@ -334,11 +341,10 @@ static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int g = 0; g < groups; g++) {
         __m256i qi[4];
-        const float top = round_group(x + g * GROUP, 127.f, qi, sum + g);
+        scale[g] = round_group(x + g * GROUP, 127.f, qi, sum + g);
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
                                                  _mm256_packs_epi32(qi[2], qi[3]));
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
-        scale[g] = top / 127.f;
     }
 }
 

@@ -13,8 +13,9 @@
  *           `[n/16][k/32][16]`.
  *
  * How the quantized ones multiply: the input row is rounded to 16-bit integers in groups of
- * 32, each group by its own scale (its largest |x| / 32767: an error of at most 1.5e-5 of that
- * value, about 250 times finer than bfloat16's rounding), so that one 512-bit integer
+ * 32, each group by its own scale (the power of two at or above its largest |x| / 32767: an
+ * error of at most 3.1e-5 of that value, over a hundred times finer than bfloat16's
+ * rounding; `input_scale16`), so that one 512-bit integer
  * multiply-add (`vpdpwssd`) takes a pair of inputs against the same pair of weights of 16
  * outputs at once, one output per 32-bit lane. Unpacking a weight to 16 bits costs one or two
  * instructions per 32 weights, where converting each weight to float32 costs four: the
@@ -124,8 +125,47 @@ typedef struct {
     int8_t *q8;   /* [rows][k]: where set, the rows rounded to 8 bits instead (in q's room) */
 } bi_input;
 
-/* A group whose largest |x| is below this is taken as zeros (32767 / top would overflow). */
+/* A group whose largest |x| is below this is taken as zeros by the 8-bit rounding (127 / top
+ * would overflow). */
 #define TINY_GROUP 1e-30f
+
+/* The 16-bit inputs' scale of a group whose largest |x| is `top`: the power of two 2^j at or
+ * above top / 32767, j in [INPUT_EXP_MIN, INPUT_EXP_MAX] (a smaller top: the group is taken
+ * as zeros, scale 1; a larger one saturates); `*inv` = 2^-j, or 0 for zeros. Multiplying by a
+ * power of two is exact, so the held-weight kernels may apply it to a weight scale as an
+ * integer add to its exponent (`input_exponent`), where a float multiply would take an issue
+ * slot of the integer products' vector units; and every level rounds x * 2^-j alike. The
+ * rounding error is at most 2^(j-1), under top / 32767. The weights' scales are kept where
+ * that add stays a float's exact product: 0 or |s| in [2^-66, 2^31) (`pack_q4`,
+ * `pack_q8_groups` see to it; 2^-66 * 2^INPUT_EXP_MIN is still a normal float). */
+#define INPUT_EXP_MIN (-60)
+#define INPUT_EXP_MAX 96
+static inline float input_scale16(float top, float *inv) {
+    uint32_t bits;
+    memcpy(&bits, &top, sizeof bits);
+    /* top = 1.m * 2^(e - 127); 32767 * 2^j >= top first holds at j = e - 141 where 1.m <=
+     * 2 - 2^-14 (m <= 0x7ffe00), else at e - 140 */
+    const int e = (int)((bits >> 23) & 0xff);
+    int j = e - ((bits & 0x7fffff) <= 0x7ffe00 ? 141 : 140);
+    if (j < INPUT_EXP_MIN) {
+        *inv = 0.f;
+        return 1.f;
+    }
+    if (j > INPUT_EXP_MAX) j = INPUT_EXP_MAX;
+    const uint32_t scale_bits = (uint32_t)(127 + j) << 23, inv_bits = (uint32_t)(127 - j) << 23;
+    float scale;
+    memcpy(&scale, &scale_bits, sizeof scale);
+    memcpy(inv, &inv_bits, sizeof *inv);
+    return scale;
+}
+
+/* What adding to a float's bits multiplies it by the input scale `scale` (a power of two from
+ * input_scale16): (j << 23). */
+static inline int32_t input_exponent(float scale) {
+    int32_t bits;
+    memcpy(&bits, &scale, sizeof bits);
+    return bits - 0x3f800000;
+}
 
 
 static inline void finish(float *y, int j, float v, const float *bias, int accumulate) {

@@ -34,13 +34,14 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
     for (int g = 0; g < groups; g++) {
         float32x4_t v[8];
         const float top = load_group(x + g * GROUP, v, sum + g);
-        const float32x4_t inv = vdupq_n_f32(top > TINY_GROUP ? 32767.f / top : 0.f);
+        float inv_top;
+        scale[g] = input_scale16(top, &inv_top);
+        const float32x4_t inv = vdupq_n_f32(inv_top);
         for (int i = 0; i < 8; i += 2) {  /* round to nearest, ties to even; narrow saturating */
             const int32x4_t a = vcvtnq_s32_f32(vmulq_f32(v[i], inv));
             const int32x4_t b = vcvtnq_s32_f32(vmulq_f32(v[i + 1], inv));
             vst1q_s16(q + g * GROUP + 4 * i, vcombine_s16(vqmovn_s32(a), vqmovn_s32(b)));
         }
-        scale[g] = top / 32767.f;
     }
 }
 

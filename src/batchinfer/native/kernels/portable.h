@@ -21,9 +21,12 @@ static void quantize_groups(const float *x, int groups, int16_t *q, float *scale
             top = a > top ? a : top;
             total += v[i];
         }
-        const float s = top / 32767.f, inv = top > TINY_GROUP ? 32767.f / top : 0.f;
-        for (int i = 0; i < GROUP; i++) q[g * GROUP + i] = (int16_t)lrintf(v[i] * inv);
-        scale[g] = s;
+        float inv;
+        scale[g] = input_scale16(top, &inv);
+        for (int i = 0; i < GROUP; i++) {
+            const long r = lrintf(v[i] * inv);  /* saturating, as the vector levels narrow */
+            q[g * GROUP + i] = (int16_t)(r > 32767 ? 32767 : r < -32768 ? -32768 : r);
+        }
         sum[g] = total;
     }
 }
