@@ -36,14 +36,8 @@ def main() -> None:
         raise SystemExit("the native kernels cannot be built here")
     level = native.isa_level(after)
     source = Path(args.against) / "src/batchinfer/native/cpu_kernels.c"
-    own_source, own_digest = native.SOURCE, native.source_digest
-    native.SOURCE = source
-    native.source_digest = lambda: "against-" + own_digest()  # type: ignore[assignment]
-    try:
-        before = native.build_and_load(Path(args.against) / ".kernel_ab",
-                                       native.level_flags(level or "portable"))
-    finally:
-        native.SOURCE, native.source_digest = own_source, own_digest  # type: ignore[assignment]
+    before = native.build_and_load(Path(args.against) / ".kernel_ab",
+                                   native.level_flags(level or "portable"), source)
     if before is None:
         raise SystemExit(f"{source} does not build")
     print(f"CPU: {cpu_model()}; level {level}; {torch.get_num_threads()} threads; medians of "

@@ -43,8 +43,6 @@ from batchinfer.core.paths import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# Each instruction-set level's kernels, and the contract they share (included by SOURCE).
-HEADERS = tuple(sorted(Path(__file__).with_name("kernels").glob("*.h")))
 # -fno-strict-aliasing: 16-bit inputs are read as 32-bit pairs; -fno-math-errno: lrintf and
 # sqrtf become single instructions.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-strict-aliasing",
@@ -116,10 +114,12 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def source_digest() -> str:
-    """A digest of the kernels' source: cached choices measured with other code are stale."""
+def source_digest(source: Path = SOURCE) -> str:
+    """A digest of the kernels' source (`source` and the headers of its `kernels` folder:
+    each instruction-set level's kernels and the contract they share): cached choices
+    measured with other code are stale."""
     digest = hashlib.sha256()
-    for path in (SOURCE, *HEADERS):
+    for path in (source, *sorted(source.with_name("kernels").glob("*.h"))):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -207,9 +207,11 @@ def isa_level(lib: ctypes.CDLL | None = None) -> str | None:
     return None if lib is None else lib.bi_isa().decode()
 
 
-def build_and_load(folder: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """Build (unless built) and load the library with `flags` into `folder`; None, with the
-    reason logged, where that fails. `library()` builds with `level_flags(level)`."""
+def build_and_load(folder: Path, flags: tuple[str, ...], source: Path = SOURCE
+                   ) -> ctypes.CDLL | None:
+    """Build (unless built) and load the library of `source` (another checkout's, to compare)
+    with `flags` into `folder`; None, with the reason logged, where that fails. `library()`
+    builds with `level_flags(level)`."""
     cc = compiler()
     if cc is None:
         logger.warning("no C compiler (cc, or $CC): the native CPU kernels are not used")
@@ -218,13 +220,13 @@ def build_and_load(folder: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
         digest = hashlib.sha256("\0".join(
-            [source_digest(), version, platform.machine(), cpu_model(),
+            [source_digest(source), version, platform.machine(), cpu_model(),
              " ".join(sorted(cpu_flags())), *flags]).encode()).hexdigest()[:20]
         target = folder / f"cpu_kernels-{digest}.so"
         if not target.exists():
             folder.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(f".{os.getpid()}.tmp")  # one per builder: no torn files
-            result = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), *LIBS],
+            result = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *LIBS],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 tmp.unlink(missing_ok=True)

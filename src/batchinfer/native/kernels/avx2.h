@@ -19,36 +19,33 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* A group of 32 inputs as integers of at most `limit`, rounded to nearest (the default
- * mode): qi[i] holds inputs 8i..8i+7 in 32-bit lanes. `limit` 32767: x * 2^-j by the group's
- * `input_scale16`; else x * limit / its largest |x|. Returns the scale; `*sum`: the inputs'
- * float sum. */
+/* A group of 32 inputs loaded into v[0..4): returns its largest |x|; `*sum`: its float sum. */
 static inline __attribute__((always_inline)) float
-round_group(const float *x, float limit, __m256i qi[4], float *sum) {
+load_group(const float *x, __m256 v[4], float *sum) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
-    const float top = hmax8(_mm256_max_ps(
+    *sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    return hmax8(_mm256_max_ps(
         _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
-    float inv_top, scale;
-    if (limit == 32767.f) {
-        scale = input_scale16(top, &inv_top);
-    } else {
-        inv_top = top > TINY_GROUP ? limit / top : 0.f;
-        scale = top / limit;
-    }
-    const __m256 inv = _mm256_set1_ps(inv_top);
-    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    *sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    return scale;
+}
+
+/* v * inv rounded to nearest (the default mode): qi[i] holds inputs 8i..8i+7 in 32-bit
+ * lanes. */
+static inline __attribute__((always_inline)) void
+round_group(const __m256 v[4], float inv, __m256i qi[4]) {
+    const __m256 by = _mm256_set1_ps(inv);
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], by));
 }
 
 /* Groups [0, groups) of one row into 16-bit integers, scales and sums. */
 static void quantize_groups(const float *x, int groups, int16_t *q, float *scale, float *sum) {
     for (int g = 0; g < groups; g++) {
+        __m256 v[4];
         __m256i qi[4];
-        scale[g] = round_group(x + g * GROUP, 32767.f, qi, sum + g);
+        float inv;
+        scale[g] = input_scale16(load_group(x + g * GROUP, v, sum + g), &inv);
+        round_group(v, inv, qi);
         /* narrow with saturation; packs works within 128-bit lanes: put them back in order */
         const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
         const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
@@ -340,8 +337,11 @@ static void quantize_groups8(const float *x, int groups, int8_t *q, float *scale
     /* packs work within 128-bit lanes: the 32-bit groups of four come out as 0 2 4 6 1 3 5 7 */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int g = 0; g < groups; g++) {
+        __m256 v[4];
         __m256i qi[4];
-        scale[g] = round_group(x + g * GROUP, 127.f, qi, sum + g);
+        const float top = load_group(x + g * GROUP, v, sum + g);
+        round_group(v, top > TINY_GROUP ? 127.f / top : 0.f, qi);
+        scale[g] = top / 127.f;
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
                                                  _mm256_packs_epi32(qi[2], qi[3]));
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(bytes, order));

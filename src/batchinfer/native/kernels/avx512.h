@@ -131,6 +131,14 @@ unpack_group16(const bi_linear *l, const int Q4, int tile, const int T, int g, _
     }
 }
 
+/* What adding to a float's bits multiplies it by the input scale `scale` (a power of two from
+ * input_scale16): (j << 23). */
+static inline int32_t input_exponent(float scale) {
+    int32_t bits;
+    memcpy(&bits, &scale, sizeof bits);
+    return bits - 0x3f800000;
+}
+
 /* s * the input's power-of-two scale xs, whose `input_exponent` is xe. For q4, whose
  * epilogue has a second multiply-add (the offsets), an integer add to the exponents, which
  * leaves the vector units' multiply issue slots to the integer products; a float multiply for

@@ -133,7 +133,7 @@ typedef struct {
  * above top / 32767, j in [INPUT_EXP_MIN, INPUT_EXP_MAX] (a smaller top: the group is taken
  * as zeros, scale 1; a larger one saturates); `*inv` = 2^-j, or 0 for zeros. Multiplying by a
  * power of two is exact, so the held-weight kernels may apply it to a weight scale as an
- * integer add to its exponent (`input_exponent`), where a float multiply would take an issue
+ * integer add to its exponent (the AVX-512 `scaled`), where a float multiply would take an issue
  * slot of the integer products' vector units; and every level rounds x * 2^-j alike. The
  * rounding error is at most 2^(j-1), under top / 32767. The weights' scales are kept where
  * that add stays a float's exact product: 0 or |s| in [2^-66, 2^31) (`pack_q4`,
@@ -157,14 +157,6 @@ static inline float input_scale16(float top, float *inv) {
     memcpy(&scale, &scale_bits, sizeof scale);
     memcpy(inv, &inv_bits, sizeof *inv);
     return scale;
-}
-
-/* What adding to a float's bits multiplies it by the input scale `scale` (a power of two from
- * input_scale16): (j << 23). */
-static inline int32_t input_exponent(float scale) {
-    int32_t bits;
-    memcpy(&bits, &scale, sizeof bits);
-    return bits - 0x3f800000;
 }
 
 
