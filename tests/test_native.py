@@ -127,6 +127,9 @@ def test_zero_and_tiny_weight_scales_give_their_weights_next_to_any_input_scale(
             got = form(x)
             assert bool(torch.isfinite(got).all()), rows
             assert relative_error(got, want) < 2e-4, rows
+    # a scale the exponent add would overflow is refused, naming the form
+    with pytest.raises(ValueError, match="q8 weight scale"):
+        pack_q8_groups(q8, scale8.masked_fill(scale8 > 0, 2.0 ** 31))
 
 
 def test_q8_holds_a_q8_0_tensor_exactly_and_rounds_others_per_group():
